@@ -1,0 +1,20 @@
+"""fullshard: Fully Sharded Data Parallel training for PyTorch (Zhao et al., 2023)."""
+
+from fullshard.api import FSDPModule, UnshardHandle, fully_shard
+from fullshard.errors import FullShardError
+from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.training import clip_grad_norm_, full_params, no_sync
+from fullshard.wrap import shard_model
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "FullShardError",
+    "MixedPrecisionPolicy",
+    "UnshardHandle",
+    "clip_grad_norm_",
+    "full_params",
+    "fully_shard",
+    "no_sync",
+    "shard_model",
+]

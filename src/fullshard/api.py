@@ -1,0 +1,207 @@
+"""fully_shard() and FSDPModule: the FSDP2-style public surface of the sharding core."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fullshard.errors import fail
+from fullshard.hooks import HOOKS_ATTR, UnitHooks, unit_hooks
+from fullshard.mesh import shard_group
+from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.unit import OwnedParam, Unit, UnitConfig
+
+# Original parameter -> description of the unit that took it. A parameter registered in
+# two units would get two independent shards that silently drift apart (the failure of
+# tied weights split across units), so a second unit asking for it is refused.
+_OWNER = WeakIdKeyDictionary()  # weak, by identity: tensors compare elementwise
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` makes the parameters full."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_unshard()
+
+
+class FSDPModule:
+    """Mixin of every module passed to ``fully_shard``; its class becomes ``FSDP<Original>``."""
+
+    def _unit(self) -> Unit:
+        return unit_hooks(self).unit
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this unit's full parameters now (e.g. before a forward the hooks cannot see).
+
+        Args:
+            async_op: return a handle at once and finish when its ``wait()`` is called.
+        """
+        unit = self._unit()
+        unit.unshard()
+        if async_op:
+            return UnshardHandle(unit)
+        unit.wait_unshard()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's full parameters; the modules hold the shards again."""
+        self._unit().reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn gradient reduction off (accumulate full gradients locally) or back on.
+
+        Args:
+            requires_gradient_sync: ``False`` skips the reduce-scatter after backward; the
+                full gradients accumulate until a backward with sync on reduces them.
+            recurse: apply to every unit in this module's subtree.
+        """
+        for unit in self._units(recurse):
+            unit.sync_grads = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Keep the full parameters after backward (``False``), e.g. between accumulation steps.
+
+        Args:
+            reshard_after_backward: ``False`` leaves the unit full after its backward, so
+                the next forward needs no all-gather; call ``reshard()`` when done.
+            recurse: apply to every unit in this module's subtree.
+        """
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        modules = self.modules() if recurse else [self]
+        return [hooks.unit for m in modules if (hooks := unit_hooks(m)) is not None]
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise fail(
+            f"a sharded {type(self).__name__} cannot be deep-copied: each rank holds only its shard",
+            "Copy the model before sharding it, or build a new one and load "
+            "fullshard.get_state_dict(model) into it.",
+        )
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def fsdp_class(cls: type) -> type:
+    """FSDP<cls>: a subclass of both FSDPModule and `cls`, so the module keeps its behaviour."""
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+
+def owned_params(module: nn.Module, exclude: Iterable[nn.Parameter] = ()) -> list[OwnedParam]:
+    """The parameters under `module` that no inner unit manages, each with every place it is registered.
+
+    Places inside inner units count too: a tied weight an inner unit left to this one is
+    swapped there as well.
+    """
+    excluded = set(exclude)
+    managed = {tensor for m in module.modules() if (hooks := unit_hooks(m)) is not None
+               for p in hooks.unit.params for tensor in (p.sharded, p.unsharded)}
+    owned: dict[nn.Parameter, OwnedParam] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, param in sub._parameters.items():
+            if param is None or param in excluded or param in managed:
+                continue
+            if param not in owned:
+                owned[param] = OwnedParam(param, f"{prefix}.{name}" if prefix else name, [])
+            if (sub, name) not in owned[param].slots:
+                owned[param].slots.append((sub, name))
+    return list(owned.values())
+
+
+def check_owned(module: nn.Module, owned: list[OwnedParam]) -> None:
+    """Refuse parameters that another unit manages, or that cannot share one flat buffer."""
+    what = type(module).__name__
+    for o in owned:
+        if o.param in _OWNER:
+            raise fail(
+                f"parameter {o.fqn!r} of this {what} is already managed by the unit of {_OWNER[o.param]}; "
+                f"a parameter must belong to exactly one unit",
+                "Shard the lowest common ancestor of every module that uses it instead (e.g. do "
+                "not shard an output head separately when its weight is tied to the embedding), "
+                "or use fullshard.shard_model, which leaves tied parameters to that ancestor.",
+            )
+        if isinstance(o.param, torch.distributed.tensor.DTensor):
+            raise fail(f"parameter {o.fqn!r} of this {what} is already a DTensor",
+                       "fullshard shards plain parameters; apply it to the model before any other parallelism.")
+    devices = {o.param.device for o in owned}
+    if len(devices) > 1:
+        listing = ", ".join(f"{o.fqn!r} on {o.param.device}" for o in owned)
+        raise fail(f"the parameters of this {what} are on different devices ({listing})",
+                   "Move the module to one device (module.to(device)) before sharding it.")
+    dtypes = {o.param.dtype for o in owned}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{o.fqn!r}: {o.param.dtype}" for o in owned)
+        raise fail(f"the parameters of this {what} have different dtypes ({listing}); one unit "
+                   f"communicates them in one buffer",
+                   "Give them one dtype (module.to(dtype)), or shard the differing submodules as "
+                   "their own units first; use MixedPrecisionPolicy for low-precision compute.")
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: torch.distributed.device_mesh.DeviceMesh | None = None,
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: CPUOffloadPolicy | None = None,
+    _exclude: Iterable[nn.Parameter] = (),
+) -> nn.Module:
+    """Make `module` one unit: its parameters (those no inner unit owns) are sharded together.
+
+    Apply bottom-up: inner modules first, the root last. Afterwards every managed
+    parameter is an ``nn.Parameter`` wrapping a ``DTensor`` sharded ``Shard(0)`` over the
+    mesh's shard dimension (``Replicate()`` over a replicate dimension), so an optimizer
+    built from ``model.parameters()`` steps on shards. Before the unit's forward and
+    backward one all-gather rebuilds the full parameters; after its backward one
+    reduce-scatter leaves each rank the average gradient of its shard.
+
+    Args:
+        module: the module to shard; it is returned, with its class swapped to a subclass
+            of both ``FSDPModule`` and its own class.
+        mesh: ``None`` for a 1-D mesh over the default process group; a 1-D ``DeviceMesh``
+            (dims named ``("replicate",)`` replicate instead of sharding); or a 2-D mesh with
+            dims ``("replicate", "shard")`` for hybrid sharding.
+        reshard_after_forward: ``True`` frees the full parameters after forward and gathers
+            them again for backward; ``False`` keeps them until the end of backward. A
+            forward without autograd (``torch.no_grad()``) always frees them.
+        mp_policy: a :class:`MixedPrecisionPolicy`.
+        offload_policy: a :class:`CPUOffloadPolicy`.
+
+    Raises:
+        FullShardError: before anything changes, when the module is already sharded, a
+            parameter belongs to another unit, the mesh does not fit the process group,
+            or the parameters are on different devices or of different dtypes.
+    """
+    if isinstance(module, FSDPModule):
+        raise fail(f"this {type(module).__name__} is already sharded",
+                   "Call fully_shard once per module, inner modules first and the root last.")
+    if type(reshard_after_forward) is not bool:
+        raise fail(f"reshard_after_forward={reshard_after_forward!r} is not supported",
+                   "Pass True (free after forward) or False (keep until after backward).")
+    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
+                               ("offload_policy", offload_policy, CPUOffloadPolicy)):
+        if policy is not None and not isinstance(policy, kind):
+            raise fail(f"{name} must be a fullshard.{kind.__name__} or None, got {type(policy).__name__}",
+                       f"Pass fullshard.{kind.__name__}(...).")
+    if (mp_policy is not None and mp_policy != MixedPrecisionPolicy()) or offload_policy is not None:
+        raise fail("mixed precision and CPU offload are not implemented yet (issue #4)",
+                   "Train in the parameters' own dtype on the compute device for now.")
+    owned = owned_params(module, _exclude)
+    check_owned(module, owned)
+    group = shard_group(mesh)
+    unit = Unit(module, owned, group, UnitConfig(free_after_forward=reshard_after_forward))
+    for o in owned:
+        _OWNER[o.param] = f"{type(module).__name__} (as {o.fqn!r})"
+    module.__class__ = fsdp_class(type(module))
+    module.__dict__[HOOKS_ATTR] = UnitHooks(unit)
+    return module

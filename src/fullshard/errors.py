@@ -1,0 +1,13 @@
+"""The one exception users see from fullshard."""
+
+
+class FullShardError(ValueError):
+    """Misuse of fullshard: the message says what was wrong and how to fix it.
+
+    Raised before any state is changed, so the model is still usable after it.
+    """
+
+
+def fail(what: str, fix: str) -> FullShardError:
+    """Build the error for `what` went wrong, ending with how to `fix` it."""
+    return FullShardError(f"{what}. {fix}")

@@ -1,0 +1,127 @@
+"""The data-parallel DeviceMesh: build it, validate it, and read off the facts a unit needs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from fullshard.errors import fail
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """Who holds which rows of a unit: `world` ranks share one copy, `replicas` copies exist.
+
+    `shard_pg` is None when one rank holds whole parameters (world 1), `replicate_pg`
+    is None when there is one copy; collectives over a missing group are skipped.
+    """
+
+    mesh: DeviceMesh
+    device: torch.device
+    shard_pg: dist.ProcessGroup | None
+    replicate_pg: dist.ProcessGroup | None
+    rank: int
+    world: int
+    replicas: int
+    sharded_placements: tuple[Placement, ...]  # for parameters with a dim 0
+    replicated_placements: tuple[Placement, ...]  # for 0-d parameters
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that each compute on their own data: gradients are averaged over them."""
+        return self.world * self.replicas
+
+
+def default_device_type() -> str:
+    """GPU when the process group speaks NCCL and a GPU is present, else CPU."""
+    backend = str(dist.get_backend())
+    return "cuda" if torch.cuda.is_available() and "nccl" in backend else "cpu"
+
+
+def compute_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def require_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise fail(
+            "fullshard needs an initialized torch.distributed process group",
+            'Call torch.distributed.init_process_group("gloo") (CPU) or ("nccl") (GPUs) '
+            "first, e.g. under torchrun; a single process can use world_size=1.",
+        )
+
+
+def build_mesh(mesh_dims: tuple[str, ...], shard_size: int | None = None) -> DeviceMesh:
+    """A mesh over every rank with the given roles; hybrid takes the shard size as given
+    or else the ranks of one node (LOCAL_WORLD_SIZE)."""
+    require_process_group()
+    world = dist.get_world_size()
+    device_type = default_device_type()
+    if mesh_dims != ("replicate", "shard"):
+        return init_device_mesh(device_type, (world,), mesh_dim_names=mesh_dims)
+    if shard_size is None:
+        shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if shard_size < 1 or world % shard_size:
+        raise fail(
+            f"hybrid sharding over groups of {shard_size} ranks does not divide the world size {world}",
+            "Set LOCAL_WORLD_SIZE to the ranks per node, or pass a 2-D mesh "
+            'init_device_mesh(device, (replicas, shard_size), mesh_dim_names=("replicate", "shard")).',
+        )
+    return init_device_mesh(
+        device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
+    """Role of each mesh dim: unnamed 1-D meshes shard, unnamed 2-D meshes are hybrid."""
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        if names in (None, ("shard",), ("replicate",)):
+            return names or ("shard",)
+        return ("shard",)
+    if mesh.ndim == 2 and names in (None, ("replicate", "shard")):
+        return ("replicate", "shard")
+    raise fail(
+        f"a data-parallel mesh must be 1-D or 2-D with dims ('replicate', 'shard'); got "
+        f"{mesh.ndim}-D with dims {names}",
+        'Build it with init_device_mesh(device, (replicas, shard_size), mesh_dim_names=("replicate", "shard")).',
+    )
+
+
+def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
+    """Validate `mesh` (None: 1-D over the default process group) and describe it."""
+    require_process_group()
+    if mesh is None:
+        mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise fail(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}",
+                   "Build one with torch.distributed.device_mesh.init_device_mesh.")
+    if mesh.size() != dist.get_world_size():
+        raise fail(
+            f"the mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}",
+            "Build the data-parallel mesh over every rank, e.g. init_device_mesh(device, (world_size,)).",
+        )
+    roles = mesh_roles(mesh)
+    groups = {role: mesh.get_group(dim) for dim, role in enumerate(roles)}
+    sizes = {role: mesh.size(dim) for dim, role in enumerate(roles)}
+    world = sizes.get("shard", 1)
+    replicas = sizes.get("replicate", 1)
+    placements = {"shard": Shard(0), "replicate": Replicate()}
+    return ShardGroup(
+        mesh=mesh,
+        device=compute_device(mesh.device_type),
+        shard_pg=groups["shard"] if world > 1 else None,
+        replicate_pg=groups["replicate"] if replicas > 1 else None,
+        rank=mesh.get_local_rank(roles.index("shard")) if "shard" in roles else 0,
+        world=world,
+        replicas=replicas,
+        sharded_placements=tuple(placements[role] for role in roles),
+        replicated_placements=tuple(Replicate() for _ in roles),
+    )

@@ -1,0 +1,135 @@
+"""ShardedParam: one parameter's Shard(0) DTensor master and the full tensor used for compute.
+
+# Note [shard layout]: a parameter of d rows is split as torch.chunk splits it (and so
+# as DTensor's Shard(0) places it): every rank stores ceil(d / world) rows, the real rows
+# first and zero padding after, so the last ranks may hold fewer real rows or none. The
+# padded shards of a unit's parameters lie back to back in one flat buffer, so the
+# unit's all-gather input is that buffer as it is. A 0-d parameter cannot be split: it
+# takes one slot in every rank's shard, is a Replicate() DTensor, and every rank computes
+# with rank 0's copy.
+#
+# Note [stable full params]: autograd saves the full parameter in forward and reads it
+# in backward, possibly after a reshard and a new gather in between. So the full
+# Parameter object is made once; freeing it resizes its storage to zero and gathering
+# refills the same storage. We write the gathered bytes through a second tensor over that
+# storage (`full_padded`), which does not share the Parameter's version counter: the
+# refill puts back the very values autograd saved and must not look like an in-place edit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fullshard.mesh import ShardGroup
+
+
+def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
+    """(rows every rank stores, padding included; rows this rank really holds)."""
+    rows_per_shard = -(-dim0 // world)
+    return rows_per_shard, max(0, min(rows_per_shard, dim0 - rank * rows_per_shard))
+
+
+def shard_numel(shape: torch.Size, world: int) -> int:
+    """Elements one rank stores for a parameter of `shape`, padding included."""
+    if len(shape) == 0:
+        return 1
+    return shard_rows(shape[0], world, 0)[0] * math.prod(shape[1:])
+
+
+def alias(storage_of: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A new tensor over the first elements of `storage_of`'s storage, with its own version counter."""
+    out = torch.empty(0, dtype=storage_of.dtype, device=storage_of.device)
+    return out.set_(storage_of.untyped_storage(), storage_of.storage_offset(), shape)
+
+
+class ShardedParam:
+    """One managed parameter: its shard (what the optimizer sees) and its full form (what forward sees)."""
+
+    def __init__(
+        self,
+        original: nn.Parameter,
+        slots: list[tuple[nn.Module, str]],
+        fqn: str,
+        group: ShardGroup,
+        segment: torch.Tensor,
+    ) -> None:
+        self.fqn = fqn
+        self.slots = slots  # every (module, attribute) the parameter is registered under
+        self.shape = original.shape
+        self.replicated = original.dim() == 0
+        self.mesh = group.mesh
+        self.stride = torch.empty(self.shape, device="meta").stride()
+        self.placements = group.replicated_placements if self.replicated else group.sharded_placements
+        if self.replicated:
+            rows_per_shard, local_rows, first_row = 1, 1, 0
+        else:
+            rows_per_shard, local_rows = shard_rows(self.shape[0], group.world, group.rank)
+            first_row = group.rank * rows_per_shard
+        self.first_row = first_row
+        self.shard_numel = segment.numel()  # [rows_per_shard * row_numel], see Note [shard layout]
+        self.local_shape = torch.Size((local_rows, *self.shape[1:])) if not self.replicated else self.shape
+        local = segment[: self.local_shape.numel()].view(self.local_shape)
+        with torch.no_grad():
+            local.copy_(original if self.replicated else original[first_row : first_row + local_rows])
+        self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=original.requires_grad)
+
+        # Note [stable full params]
+        self.aliases_shard = group.world == 1
+        if self.aliases_shard:
+            self.full_padded = segment  # one rank holds every row: full and shard are one tensor
+        else:
+            padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
+            self.full_padded = segment.new_empty(padded_shape)  # [world * rows_per_shard, *shape[1:]]
+            self.full_bytes = self.full_padded.untyped_storage().nbytes()
+        self.unsharded = nn.Parameter(alias(self.full_padded, self.shape), requires_grad=original.requires_grad)
+        self.release_full()
+
+    def as_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap this rank's rows (of the parameter or of its gradient) as a DTensor."""
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False,
+            shape=self.shape, stride=self.stride,
+        )
+
+    def local_shard(self) -> torch.Tensor:
+        return self.sharded.to_local()
+
+    def alloc_full(self) -> None:
+        if not self.aliases_shard and self.full_padded.untyped_storage().nbytes() == 0:
+            self.full_padded.untyped_storage().resize_(self.full_bytes)
+
+    def release_full(self) -> None:
+        if not self.aliases_shard:
+            self.full_padded.untyped_storage().resize_(0)
+
+    def is_full_allocated(self) -> bool:
+        return self.aliases_shard or self.full_padded.untyped_storage().nbytes() > 0
+
+    def to_full(self) -> None:
+        """Register the full parameter on the modules, mirroring the shard's requires_grad."""
+        self.unsharded.requires_grad_(self.sharded.requires_grad)
+        for module, name in self.slots:
+            module._parameters[name] = self.unsharded
+
+    def to_sharded(self) -> None:
+        for module, name in self.slots:
+            module._parameters[name] = self.sharded
+
+    def write_back(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of an edited full value into the shard."""
+        rows = full if self.replicated else full[self.first_row : self.first_row + self.local_shape[0]]
+        with torch.no_grad():
+            self.local_shard().copy_(rows)
+
+    def accumulate_grad(self, local_grad: torch.Tensor) -> None:
+        """Add this rank's reduced rows to the shard's gradient, creating it on first use."""
+        local_grad = local_grad.to(self.sharded.dtype)
+        if self.sharded.grad is None:
+            self.sharded.grad = self.as_dtensor(local_grad)
+        else:
+            with torch.no_grad():
+                self.sharded.grad.to_local().add_(local_grad)

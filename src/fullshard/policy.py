@@ -1,0 +1,60 @@
+"""User-facing policies and the strategy table that maps names to fully_shard arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fullshard.errors import fail
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for compute and communication; master shards keep their own dtype.
+
+    Args:
+        param_dtype: dtype of the gathered (full) parameters used in forward and
+            backward. The shard is cast before the all-gather, so the gather moves
+            bytes of this dtype. ``None`` computes in the master dtype.
+        reduce_dtype: dtype in which gradients are reduce-scattered; defaults to
+            ``param_dtype``. Reduced gradients land on the shards in the master dtype.
+        output_dtype: cast floating-point outputs of the module to this dtype.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise fail(
+                    f"MixedPrecisionPolicy({name}={dtype!r}) is not a floating-point torch.dtype",
+                    "Pass e.g. torch.bfloat16, torch.float16 or torch.float32, or None.",
+                )
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy:
+    """Keep sharded parameters, their gradients and so the optimizer step on the CPU.
+
+    Args:
+        pin_memory: pin the CPU shards so host-device copies can run asynchronously
+            (only used when the compute device is a GPU).
+    """
+
+    pin_memory: bool = True
+
+
+# Strategy name -> how shard_model calls fully_shard. "mesh_dims" names the roles of the
+# data-parallel mesh: parameters are sharded over "shard" and replicated over "replicate".
+STRATEGIES = {
+    "full_shard": {"reshard_after_forward": True, "mesh_dims": ("shard",)},
+    "shard_grad_op": {"reshard_after_forward": False, "mesh_dims": ("shard",)},
+    "hybrid_shard": {"reshard_after_forward": True, "mesh_dims": ("replicate", "shard")},
+    "no_shard": {"reshard_after_forward": False, "mesh_dims": ("replicate",)},
+}

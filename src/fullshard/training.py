@@ -1,0 +1,141 @@
+"""Training helpers that need the whole sharded model: clipping, accumulation, full parameters."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from fullshard.errors import fail
+from fullshard.hooks import Phase, unit_hooks
+from fullshard.unit import ShardState, Unit
+
+
+def units_of(model: nn.Module, what: str) -> list[Unit]:
+    units = [hooks.unit for m in model.modules() if (hooks := unit_hooks(m)) is not None]
+    if not units:
+        raise fail(f"{what} was given a model that fullshard has not sharded",
+                   "Call fullshard.shard_model(model) or fully_shard on it first.")
+    return units
+
+
+def counts_once(grad: torch.Tensor) -> bool:
+    """Whether this rank's piece of `grad` is the copy counted in a global norm: of the
+    ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim."""
+    if not isinstance(grad, DTensor):
+        return dist.get_rank() == 0
+    coordinate = grad.device_mesh.get_coordinate()
+    return all(c == 0 for c, placement in zip(coordinate, grad.placements) if isinstance(placement, Replicate))
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients so that their global norm is at most `max_norm`.
+
+    The norm is over the whole model, every rank's shards together, so it equals the
+    norm single-process training would compute, and every rank returns the same value.
+
+    Args:
+        model: a sharded model (every rank must call this).
+        max_norm: the largest allowed norm.
+        norm_type: the p of the p-norm; ``float("inf")`` for the largest absolute value.
+
+    Returns:
+        The global norm before clipping, as a plain 0-d tensor.
+    """
+    units_of(model, "clip_grad_norm_")
+    norm_type = float(norm_type)
+    grads = [p.grad for p in dict.fromkeys(model.parameters()) if p.grad is not None]
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = locals_[0].device if locals_ else torch.device("cpu")
+    counted = [t.detach().float() for g, t in zip(grads, locals_) if counts_once(g) and t.numel()]
+    if math.isinf(norm_type):
+        total = torch.stack([t.abs().max() for t in counted]).max() if counted else torch.zeros((), device=device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    else:
+        powers = [torch.linalg.vector_norm(t, norm_type) ** norm_type for t in counted]
+        total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        total = total ** (1.0 / norm_type)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for t in locals_:
+            t.mul_(clip_coef.to(t.dtype))
+    return total
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Skip gradient reduction inside: full gradients accumulate locally on every rank.
+
+    The first backward after the context reduces everything accumulated. This trades
+    memory (one full gradient per parameter on every rank) for communication; plain
+    accumulation without this context keeps gradients sharded and reduces every step.
+    """
+    units = units_of(model, "no_sync")
+    before = [unit.sync_grads for unit in units]
+    for unit in units:
+        unit.sync_grads = False
+    try:
+        yield
+    finally:
+        for unit, sync in zip(units, before):
+            unit.sync_grads = sync
+
+
+@contextmanager
+def full_params(
+    model: nn.Module, *, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False
+) -> Iterator[None]:
+    """Make the model's parameters plain full tensors inside the context.
+
+    Args:
+        model: a sharded model, between training steps (every rank must call this).
+        writeback: copy edits of the full parameters back into the shards on exit.
+        rank0_only: only rank 0 sees full parameters; the others keep their shards.
+        offload_to_cpu: the full parameters are CPU tensors (saves device memory).
+
+    Raises:
+        FullShardError: for ``writeback=True`` with ``rank0_only=True`` (the other ranks
+            would have nothing to write back), or when called during forward or backward.
+    """
+    if writeback and rank0_only:
+        raise fail("full_params(writeback=True, rank0_only=True) cannot write back on ranks that see no "
+                   "full parameters", "Pass writeback=False with rank0_only=True.")
+    units = units_of(model, "full_params")
+    if any(unit_hooks(unit.module).phase is not Phase.IDLE for unit in units):
+        raise fail("full_params was entered during a forward or backward",
+                   "Use it between training steps.")
+    visible = not rank0_only or dist.get_rank() == 0
+    shown: list[list[torch.Tensor]] = []
+    was_sharded = [unit.state is ShardState.SHARDED for unit in units]
+    for unit, sharded in zip(units, was_sharded):  # one unit at a time: offloading bounds device memory
+        unit.unshard()
+        unit.wait_unshard()
+        offload = visible and offload_to_cpu and unit.local_flat.device.type != "cpu"
+        fulls = [p.unsharded for p in unit.params] if visible else []
+        if offload:
+            fulls = [nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad) for full in fulls]
+        if sharded and (offload or not visible):
+            unit.reshard()  # the gathered copy is not what the user sees: free it now
+        for p, full in zip(unit.params, fulls):
+            for module, name in p.slots:
+                module._parameters[name] = full
+        shown.append(fulls)
+    try:
+        yield
+    finally:
+        for unit, fulls, sharded in zip(units, shown, was_sharded):
+            for p, full in zip(unit.params, fulls):
+                if writeback:
+                    p.write_back(full)
+                if unit.state is ShardState.SHARDED:
+                    p.to_sharded()
+                else:
+                    p.to_full()
+            if sharded:
+                unit.reshard()

@@ -1,0 +1,164 @@
+"""shard_model(): the FSDP paper's whole-model conveniences on top of fully_shard.
+
+It decides which modules become units (wrap policy), turns the strategy name into
+fully_shard arguments (policy.STRATEGIES), and calls fully_shard bottom-up.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fullshard.api import FSDPModule, fully_shard
+from fullshard.errors import fail
+from fullshard.mesh import build_mesh, mesh_roles
+from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
+
+WrapPolicy = Iterable[type] | int | Callable[[nn.Module, str], bool] | None
+
+# Containers that hold modules but are never called: a unit there would never gather.
+NOT_CALLED = (nn.ModuleList, nn.ModuleDict)
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    wrap: WrapPolicy = None,
+    strategy: str = "full_shard",
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: CPUOffloadPolicy | None = None,
+    backward_prefetch: str | None = "pre",
+    forward_prefetch: bool = False,
+    limit_all_gathers: int | None = 2,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    sync_module_states: bool = False,
+) -> nn.Module:
+    """Shard a whole model: chosen submodules become units, the root becomes the last unit.
+
+    A parameter used by several modules (tied weights) is left to the lowest unit that
+    contains all of them, so it stays one parameter with one shard.
+
+    Args:
+        model: the model; returned, sharded in place.
+        wrap: which submodules become units. A set or tuple of module classes (each
+            instance becomes a unit); an ``int`` N (bottom-up, a module becomes a unit when
+            the parameters it holds that no inner unit owns number at least N; module
+            containers that are never called, ``ModuleList`` and ``ModuleDict``, are
+            skipped); or a
+            callable ``(module, qualified_name) -> bool`` called for every submodule. ``None``
+            makes the whole model one unit.
+        strategy: ``"full_shard"`` (free full parameters after forward), ``"shard_grad_op"``
+            (keep them until after backward), ``"no_shard"`` (replicate, as DDP), or
+            ``"hybrid_shard"`` (shard inside groups of ranks, replicate across groups).
+        mesh: ``None`` builds one over every rank (for hybrid_shard, groups of
+            ``LOCAL_WORLD_SIZE`` ranks); else a mesh whose dims fit the strategy.
+        mp_policy: a :class:`MixedPrecisionPolicy` for every unit.
+        offload_policy: a :class:`CPUOffloadPolicy` for every unit.
+        backward_prefetch: ``"pre"``, ``"post"`` or ``None``.
+        forward_prefetch: prefetch the next unit in the recorded forward order.
+        limit_all_gathers: at most this many units gathered ahead of use; ``None``: no limit.
+        param_init_fn: initializes a meta-device module as it is materialized.
+        sync_module_states: make rank 0's parameters and buffers win.
+
+    Raises:
+        FullShardError: before anything changes, on an unknown strategy or wrap policy,
+            a mesh that does not fit the strategy, or a model that is already sharded.
+    """
+    if strategy not in STRATEGIES:
+        raise fail(f"unknown strategy {strategy!r}", f"Use one of {', '.join(map(repr, STRATEGIES))}.")
+    spec = STRATEGIES[strategy]
+    if mesh is not None and mesh_roles(mesh) != spec["mesh_dims"]:
+        raise fail(
+            f"strategy {strategy!r} needs a mesh with dims {spec['mesh_dims']}, got dims "
+            f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}",
+            f"Pass mesh=None, or build it with init_device_mesh(device, shape, mesh_dim_names={spec['mesh_dims']}).",
+        )
+    if backward_prefetch not in ("pre", "post", None):
+        raise fail(f"backward_prefetch={backward_prefetch!r} is not one of 'pre', 'post', None",
+                   "Pass 'pre' (the default), 'post' or None.")
+    if limit_all_gathers is not None and (type(limit_all_gathers) is not int or limit_all_gathers < 1):
+        raise fail(f"limit_all_gathers={limit_all_gathers!r} is not a positive int or None",
+                   "Pass e.g. 2 (the default) or None for no limit.")
+    already = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if already:
+        raise fail(f"the model is already sharded (units at {already})",
+                   "Call shard_model once, on a model that has not been passed to fully_shard.")
+    if param_init_fn is not None or sync_module_states or any(p.is_meta for p in model.parameters()):
+        raise fail("deferred initialization (meta-device models, param_init_fn, sync_module_states) "
+                   "is not implemented yet (issue #5)",
+                   "Build the model on a real device and seed every rank the same for now.")
+    units = choose_units(model, wrap)
+    if mesh is None:
+        mesh = build_mesh(spec["mesh_dims"])
+    for module, exclude in units:
+        fully_shard(module, mesh=mesh, reshard_after_forward=spec["reshard_after_forward"],
+                    mp_policy=mp_policy, offload_policy=offload_policy, _exclude=exclude)
+    return model
+
+
+def choose_units(model: nn.Module, wrap: WrapPolicy) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Units bottom-up (the root last), each with the parameters it must leave to an ancestor.
+
+    A parameter whose holders are not all inside a unit's subtree (a tied weight) is
+    left to the lowest enclosing unit; a unit left with no parameters is dropped.
+    """
+    holders = holder_names(model)
+    modules = list(model.named_modules())
+    select = selector(wrap)
+    chosen: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    taken: set[nn.Parameter] = set()
+    for name, module in reversed(modules):  # reversed pre-order: children before parents
+        inside = [p for p in unique_params(module) if p not in taken]
+        exclude = [p for p in inside if not all(is_within(h, name) for h in holders[p])] if name else []
+        own = [p for p in inside if not any(p is q for q in exclude)]
+        if name and not (own and select(module, name, own)):
+            continue
+        if isinstance(module, NOT_CALLED):
+            if not isinstance(wrap, int):
+                raise fail(f"the wrap policy selects {name!r}, a {type(module).__name__}, whose forward is "
+                           f"never called, so its unit would never be gathered",
+                           "Select the modules inside it instead (e.g. the blocks, not the list of blocks).")
+            continue
+        chosen.append((module, exclude))
+        taken.update(own)
+    return chosen
+
+
+def selector(wrap: WrapPolicy) -> Callable[[nn.Module, str, list[nn.Parameter]], bool]:
+    """Turn a wrap policy into `(module, name, params it would own) -> becomes a unit`."""
+    if wrap is None:
+        return lambda module, name, own: False
+    if isinstance(wrap, bool) or not (isinstance(wrap, (int, set, frozenset, tuple, list)) or callable(wrap)):
+        raise fail(f"wrap={wrap!r} is not a wrap policy",
+                   "Pass a set of module classes, an int parameter count, or a callable (module, name) -> bool.")
+    if isinstance(wrap, int):
+        if wrap < 1:
+            raise fail(f"wrap={wrap} must be a positive parameter count", "Pass e.g. wrap=1_000_000.")
+        return lambda module, name, own: sum(p.numel() for p in own) >= wrap
+    if isinstance(wrap, (set, frozenset, tuple, list)):
+        classes = tuple(wrap)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise fail(f"wrap={wrap!r} must hold nn.Module classes", "Pass e.g. wrap={Block}.")
+        return lambda module, name, own: isinstance(module, classes)
+    return lambda module, name, own: bool(wrap(module, name))
+
+
+def holder_names(model: nn.Module) -> dict[nn.Parameter, list[str]]:
+    """Every module name under which each parameter is registered (shared modules count twice)."""
+    holders: dict[nn.Parameter, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(param, []).append(name)
+    return holders
+
+
+def unique_params(module: nn.Module) -> list[nn.Parameter]:
+    return list(dict.fromkeys(module.parameters()))
+
+
+def is_within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")

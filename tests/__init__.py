@@ -1,0 +1,1 @@
+"""Test package: spawned ranks import job functions from here by module path."""

@@ -1,0 +1,205 @@
+"""Small models for parity tests, each with the situation it exercises, and its data.
+
+Every model is a factory taking no arguments (seeded by the caller) and has a loss
+function `(model, batch) -> scalar` that is a mean over the batch's first dimension, so
+the mean of the ranks' losses on equal slices is the loss on the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fullshard.gpt import GPT, Block, GPTConfig
+
+VOCAB = 61  # prime: uneven shards of the embedding at every world size
+SEQ = 8
+
+
+def tiny_gpt() -> GPT:
+    # n_embd 30 splits 8/8/8/6 over 4 ranks; 61 vocab rows split 16/16/16/13
+    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=30))
+
+
+def token_batch(generator: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(0, VOCAB, (batch, SEQ), generator=generator)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(*batch)
+
+
+class TwiceGPT(nn.Module):
+    """One block applied twice per forward (weight sharing across depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = tiny_gpt()
+        self.shared = Block(self.gpt.cfg)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.wte(idx) + g.wpe(torch.arange(idx.size(1)))
+        x = self.shared(self.shared(x))
+        for block in g.h:
+            x = block(x)
+        logits = F.linear(g.ln_f(x), g.wte.weight)
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+@dataclass
+class Features:
+    hidden: torch.Tensor
+    gate: torch.Tensor
+
+
+class Structured(nn.Module):
+    """A unit whose output is a `kind` of structure: tuple, dict or dataclass."""
+
+    def __init__(self, dim: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor):
+        hidden, gate = torch.tanh(self.proj(x)), torch.sigmoid(self.gate(x))
+        if self.kind == "tuple":
+            return hidden, gate
+        if self.kind == "dict":
+            return {"hidden": hidden, "gate": gate}
+        return Features(hidden, gate)
+
+
+def unpack(out) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(out, tuple):
+        return out
+    if isinstance(out, dict):
+        return out["hidden"], out["gate"]
+    return out.hidden, out.gate
+
+
+class Situations(nn.Module):
+    """Many awkward cases in one model (dims prime, so shards are uneven everywhere).
+
+    - structured outputs (tuple, dict, dataclass) of which the loss uses only a part;
+    - a branch never called, and a unit whose gate output is unused on odd steps;
+    - a frozen parameter (requires_grad=False) inside a trained unit;
+    - 0-d and 1-d parameters, and a parameter with fewer rows than ranks (empty shards).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        d = 13
+        self.embed = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(Structured(d, kind) for kind in ("tuple", "dict", "dataclass"))
+        self.unused = nn.Linear(d, d)
+        self.frozen = nn.Linear(d, d)
+        self.frozen.weight.requires_grad_(False)
+        self.temperature = nn.Parameter(torch.tensor(1.5))  # 0-d
+        self.offset = nn.Parameter(torch.randn(3))  # 1-d, 3 rows: empty shard on rank 3 of 4
+        self.head = nn.Linear(d, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.embed(x)
+        for block in self.blocks:
+            hidden, gate = unpack(block(h))
+            h = hidden * gate if self.calls % 2 == 0 else hidden  # gate unused on odd calls
+        h = self.frozen(h)
+        logits = self.head(h) / self.temperature + self.offset
+        return F.cross_entropy(logits, y)
+
+
+def situations_batch(generator: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, 5, generator=generator), torch.randint(0, 3, (batch,), generator=generator)
+
+
+def situations_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(*batch)
+
+
+class CheckpointedGPT(GPT):
+    """GPT whose blocks run under torch.utils.checkpoint (forward recomputed in backward)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__(tiny_gpt().cfg)
+        self.reentrant = reentrant
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for block in self.h:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+class InnerCheckpointBlock(Block):
+    """A block that checkpoints only its MLP: part of a unit recomputed in backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + checkpoint(lambda t: self.mlp(self.ln_2(t)), x, use_reentrant=False)
+
+
+def inner_checkpoint_gpt() -> GPT:
+    model = tiny_gpt()
+    for i in range(len(model.h)):
+        block = InnerCheckpointBlock(model.cfg)
+        block.load_state_dict(model.h[i].state_dict())
+        model.h[i] = block
+    return model
+
+
+def hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=24, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)  # lm_head.weight is tied to transformer.wte.weight
+
+
+def hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+def hf_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, _ = batch
+    return model(input_ids=x, labels=x).loss
+
+
+# name -> (factory, batch maker, loss, unit classes for fully_shard / shard_model)
+MODELS = {
+    "gpt": (tiny_gpt, token_batch, gpt_loss, {Block}),
+    "twice": (TwiceGPT, token_batch, gpt_loss, {Block}),
+    "situations": (Situations, situations_batch, situations_loss, {Structured, nn.Linear}),
+    "checkpoint_reentrant": (lambda: CheckpointedGPT(True), token_batch, gpt_loss, {Block}),
+    "checkpoint_nonreentrant": (lambda: CheckpointedGPT(False), token_batch, gpt_loss, {Block}),
+    "checkpoint_inner": (inner_checkpoint_gpt, token_batch, gpt_loss, {Block}),
+}
+
+
+def hf_units(name: str) -> set[type]:
+    if name == "hf_gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        return {GPT2Block}
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    return {LlamaDecoderLayer}
+
+
+def model_spec(name: str):
+    if name in MODELS:
+        return MODELS[name]
+    factory = {"hf_gpt2": hf_gpt2, "hf_llama": hf_llama}[name]
+    return factory, token_batch, hf_loss, hf_units(name)

@@ -1,0 +1,112 @@
+"""Shard layout and the unit collectives, checked against torch.chunk, torch.cat and sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import fullshard
+from fullshard.collectives import copy_out, gather_full, pack_grads, reduce_scatter_grads
+
+# 0-d; fewer rows than 4 ranks (empty shards); uneven; even; 1-d and 2-d
+SHAPES = [(), (1,), (3,), (1, 5), (7, 2), (4, 3), (13,)]
+
+
+class Assorted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(torch.randn(shape)) for shape in SHAPES)
+        self.left = nn.Linear(3, 3)
+        self.right = nn.Linear(3, 3)
+        self.right.weight = self.left.weight  # tied inside one unit
+
+    def forward(self, coeffs: list[torch.Tensor]) -> torch.Tensor:
+        total = sum((p * c).sum() for p, c in zip(self.params, coeffs))
+        return total + self.left.weight.sum() + 2 * self.right.weight.sum()
+
+
+def layout_job() -> dict:
+    torch.manual_seed(0)
+    module = Assorted()
+    originals = [p.detach().clone() for p in module.params]
+    n_params = len(list(module.parameters()))
+    fullshard.fully_shard(module)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {"local": [], "placements": [], "full_equal": [], "tied": module.left.weight is module.right.weight,
+           "n_params": len(list(module.parameters())) == n_params}
+    for p, original in zip(module.params, originals):
+        want = original if original.dim() == 0 else torch.chunk(original, world)[rank] \
+            if rank < len(torch.chunk(original, world)) else original[:0]
+        out["local"].append(p.to_local().shape == want.shape and torch.equal(p.to_local(), want))
+        out["placements"].append(str(p.placements))
+        out["full_equal"].append(torch.equal(p.full_tensor(), original))
+    # gradient of sum(p * c_rank): the average over ranks of c_rank, whatever the layout
+    generator = torch.Generator().manual_seed(rank)
+    coeffs = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    module(coeffs).backward()
+    gathered = [torch.zeros(world, *shape) for shape in SHAPES]
+    for g, c in zip(gathered, coeffs):
+        dist.all_gather_into_tensor(g, c.reshape(1, *c.shape).contiguous())
+    out["grads"] = [torch.allclose(p.grad.full_tensor(), g.mean(0), atol=1e-7) for p, g in zip(module.params, gathered)]
+    out["tied_grad"] = torch.allclose(module.left.weight.grad.full_tensor(), torch.full((3, 3), 3.0))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shards_follow_torch_chunk_and_padding_is_invisible(request, world):
+    for got in request.getfixturevalue(f"world{world}").run(layout_job):
+        assert all(got["local"]) and all(got["full_equal"]) and all(got["grads"])
+        assert got["placements"][0] == str((Replicate(),))  # a 0-d parameter cannot be split
+        assert set(got["placements"][1:]) == {str((Shard(0),))}
+        assert got["tied"] and got["n_params"] and got["tied_grad"]
+
+
+def collectives_job(seed: int) -> dict:
+    """gather_full + copy_out against torch.cat, pack_grads + reduce_scatter_grads against a mean."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    generator = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(shape, generator=generator) for shape in [(9, 2), (5,), (1, 3)]]  # same on every rank
+    rows = [-(-f.shape[0] // world) for f in fulls]
+    padded = [torch.cat([f, f.new_zeros(world * r - f.shape[0], *f.shape[1:])]) for f, r in zip(fulls, rows)]
+    local = torch.cat([p.chunk(world)[rank].reshape(-1) for p in padded])
+    gathered = gather_full(local, group=group, async_op=True).wait()
+    outs = [torch.empty_like(p) for p in padded]
+    copy_out(gathered, outs, [p.numel() // world for p in padded], world=world)
+    gather_ok = all(torch.equal(o, p) for o, p in zip(outs, padded))
+
+    grads = [torch.randn(f.shape, generator=torch.Generator().manual_seed(seed + rank + 1)) for f in fulls]
+    grads.append(torch.tensor(float(rank)))  # 0-d
+    grads.append(None if rank == 0 else torch.ones(2))  # only some ranks have it
+    grads.append(None)  # no rank has it
+    numels = [p.numel() // world for p in padded] + [1, 1, 1]
+    packed = pack_grads(grads, numels, world=world, dtype=torch.float32, device=torch.device("cpu"))
+    shard = reduce_scatter_grads(packed, shard_group=group, replicate_group=None, dp_size=world)
+    all_grads = [[torch.zeros_like(g) for _ in range(world)] for g in grads[:3]]
+    for bucket, g in zip(all_grads, grads[:3]):
+        dist.all_gather(bucket, g)
+    offset, reduce_ok = 0, []
+    for bucket, numel, r in zip(all_grads, numels, rows):
+        mean = torch.stack(bucket).mean(0)
+        padded_mean = torch.cat([mean, mean.new_zeros(world * r - mean.shape[0], *mean.shape[1:])])
+        reduce_ok.append(torch.allclose(shard[offset : offset + numel], padded_mean.chunk(world)[rank].reshape(-1)))
+        offset += numel
+    total = sum(numels)
+    return {
+        "gather": gather_ok,
+        "reduce": reduce_ok,
+        "scalar": shard[total - 3].item() * world,  # sum of ranks
+        "flags": [f > 0 for f in shard[total:].tolist()],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_against_cat_and_mean(request, world):
+    for got in request.getfixturevalue(f"world{world}").run(collectives_job, seed=world):
+        assert got["gather"] and all(got["reduce"])
+        assert got["scalar"] == pytest.approx(sum(range(world)))
+        # flags: every rank has the first 4 gradients; the 5th on ranks 1..; the 6th nowhere
+        assert got["flags"] == [True, True, True, True, True, False]

@@ -1,0 +1,120 @@
+"""A pool of gloo ranks on 127.0.0.1 that stays alive across test cases.
+
+Spawning a rank costs a torch import (seconds on 2 cores), a job costs about a
+millisecond, so each world is started once per session and fed jobs: module-level
+functions called with keyword arguments on every rank, whose return values come back
+as a list indexed by rank. Every collective has a timeout, so a rank stuck in a
+collective fails in seconds; after any failure the pool is replaced, since the other
+ranks may still be blocked in the collective the failed one never joined.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 20
+JOB_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, size: int, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size),
+        "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+    }
+
+
+def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue) -> None:
+    """A rank's life: join the gloo group, then run jobs until told to stop."""
+    os.environ.update(rank_env(rank, size, port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    while (job := jobs.get()) is not None:
+        fn, kwargs = job
+        try:
+            results.put((rank, True, fn(**kwargs)))
+        except BaseException:  # the job's failure is the test's result, not the rank's end
+            results.put((rank, False, traceback.format_exc()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class World:
+    """`size` ranks that run jobs; `run(fn, **kwargs)` returns each rank's return value."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.procs: list[mp.Process] = []
+        self.start()
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.jobs = [ctx.Queue() for _ in range(self.size)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=serve, args=(rank, self.size, port, self.jobs[rank], self.results), daemon=True)
+                      for rank in range(self.size)]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        for jobs in self.jobs:
+            jobs.put((fn, kwargs))
+        got: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while len(got) < self.size:
+            failed = any(not ok for ok, _ in got.values())
+            # once a rank failed, the others get one collective timeout to report
+            wait = min(deadline, time.monotonic() + COLLECTIVE_TIMEOUT_S + 5) if failed else deadline
+            try:
+                rank, ok, value = self.results.get(timeout=max(0.1, min(1.0, wait - time.monotonic())))
+                got[rank] = (ok, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in got]
+                if dead or time.monotonic() > wait:
+                    self.restart()
+                    missing = sorted(set(range(self.size)) - set(got))
+                    raise AssertionError(f"{fn.__name__}: ranks {missing} did not answer "
+                                         f"(dead: {dead}); reports: {self.report(got)}")
+        if any(not ok for ok, _ in got.values()):
+            self.restart()
+            raise AssertionError(f"{fn.__name__} failed:\n{self.report(got)}")
+        return [got[rank][1] for rank in range(self.size)]
+
+    @staticmethod
+    def report(got: dict[int, tuple[bool, Any]]) -> str:
+        return "\n".join(f"--- rank {r}:\n{v}" for r, (ok, v) in sorted(got.items()) if not ok)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+
+    def close(self) -> None:
+        for jobs in self.jobs:
+            jobs.put(None)
+        for proc in self.procs:
+            proc.join(timeout=COLLECTIVE_TIMEOUT_S)
+        self.kill()
