@@ -91,28 +91,40 @@ def collectives_job(reshard_after_forward: bool) -> dict:
     shard_each({Block}, reshard_after_forward=reshard_after_forward)(model)
     batch = local_slice(token_batch(torch.Generator().manual_seed(0), 8), dist.get_rank(), world)
     model(*batch).backward()  # first step: lazy init
-    with CollectiveLog() as log:
+    with CollectiveLog() as log, fullshard.stats(model) as stats:
         model(*batch).backward()
-    flags = [len(list(block.parameters())) for block in model.h]  # one has-gradient flag per parameter
+    flags = [len(list(block.parameters())) for block in model.h] + [len(root_params)]  # one per parameter
+    # Note [kept after forward]: the root and the last block (h.1) gather once
+    gathered = blocks + [root] + (blocks[:1] if reshard_after_forward else [])
+    rows = [n + f for n, f in zip(blocks + [root], flags)]  # a reduce-scatter row: shard + has-gradient flags
     return {
-        "gathers": log.sizes("_allgather_base"),
-        "reduce_scatters": log.sizes("_reduce_scatter_base"),
-        "others": [name for name, _ in log.calls if not name.startswith(("_allgather", "_reduce_scatter"))],
-        "want_gathers": sorted(blocks * (2 if reshard_after_forward else 1) + [root]),
-        "want_reduce_scatters": sorted([world * (n + f) for n, f in zip(blocks, flags)] + [world * (root + 4)]),
+        "per_unit": {name: dict(counts) for name, counts in stats.per_unit.items()},
+        "bytes": [stats.gather_bytes, stats.gather_wire_bytes, stats.reduce_scatter_bytes,
+                  stats.reduce_scatter_wire_bytes, stats.all_reduce_bytes, stats.steps],
+        # unit bytes x (N-1)/N per gather and per reduce-scatter (padded unit bytes: world x shard)
+        "want_bytes": [4 * (world - 1) * sum(gathered), 4 * (world - 1) * sum(gathered),
+                       4 * (world - 1) * sum(rows), 4 * (world - 1) * sum(rows), 0, 1],
+        "messages": log.sizes("send"),  # gloo: each collective is one message to each peer
+        "want_messages": sorted((gathered + rows) * (world - 1)),
     }
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_one_collective_per_unit_per_pass(world2, reshard_after_forward):
-    # full_shard: a block gathers before forward and again before backward, the root
-    # only once (it is not freed after forward: backward begins with it); every unit
-    # reduce-scatters once. shard_grad_op: every unit gathers once. Sizes match each
-    # unit's flat shard, so no unit is split into several collectives.
-    for got in world2.run(collectives_job, reshard_after_forward=reshard_after_forward):
-        assert got["gathers"] == got["want_gathers"]
-        assert got["reduce_scatters"] == got["want_reduce_scatters"]
-        assert got["others"] == []
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_collective_per_unit_per_pass_with_exact_bytes(request, world, reshard_after_forward):
+    # full_shard: a block gathers before forward and again before backward, except the
+    # root and the block that ran last (backward needs them at once, Note [kept after
+    # forward]); every unit reduce-scatters once. shard_grad_op: every unit gathers once.
+    # The bytes follow the formulas (a gather sends its unit's bytes x (N-1)/N), and the
+    # messages on the wire are one per peer per collective, each a whole unit's flat
+    # shard or row: no unit is split into several collectives.
+    gathers = 2 if reshard_after_forward else 1
+    for got in request.getfixturevalue(f"world{world}").run(collectives_job, reshard_after_forward=reshard_after_forward):
+        assert got["per_unit"] == {"h.0": {"gathers": gathers, "reduce_scatters": 1},
+                                   "h.1": {"gathers": 1, "reduce_scatters": 1},
+                                   "<root>": {"gathers": 1, "reduce_scatters": 1}}
+        assert got["bytes"] == got["want_bytes"]
+        assert got["messages"] == got["want_messages"]
 
 
 def live_tensor_bytes() -> int:
@@ -143,8 +155,9 @@ def test_full_parameters_are_freed_between_steps(world2):
     for got in results:
         assert got["shard"] <= got["full"] / 2 * 1.02  # half each, up to the uneven split of a few rows
         # everything alive between steps: the shards and AdamW's two moments (3 x shard;
-        # zero_grad() dropped the gradients) plus small change (measured: 136 bytes);
-        # one full copy of the parameters would add 2 x shard on top
+        # zero_grad() dropped the gradients; communication buffers went back to the
+        # allocator at the end of backward) plus small change (measured: 136 bytes); one
+        # full copy of the parameters would add 2 x shard on top
         assert got["live"] < 3 * got["shard"] + got["full"] * 0.05, got
 
 

@@ -103,3 +103,176 @@ def strategy_mesh_job() -> list[str]:
 
 def test_explicit_mesh(world2):
     assert world2.run(strategy_mesh_job)[0] == ["(Shard(dim=0),)", "(Replicate(),)"]
+
+
+# ---- scheduling: prefetch order, limiter, overlap ------------------------------------
+
+
+def gpt4():
+    from fullshard.gpt import GPT, GPTConfig
+    from tests.models import SEQ, VOCAB
+    return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=32))
+
+
+def record_schedule(model: nn.Module, step) -> list[tuple[str, str]]:
+    """The order of one step's events: a unit's hook entering ("fwd"/"bwd"), its gather
+    being issued ("gather"), its gradient computation ("grad", when the gradient of its
+    first op's output is computed), and its reduction being issued ("reduce")."""
+    from fullshard.hooks import Phase, RootContext
+    from fullshard.unit import ShardState, Unit
+
+    events: list[tuple[str, str]] = []
+    saved = Unit.unshard, Unit.reduce_grads, RootContext.record
+
+    def unshard(self):
+        if self.state is ShardState.SHARDED and self.pending is None:
+            events.append(("gather", self.fqn))
+        saved[0](self)
+
+    def reduce_grads(self):
+        events.append(("reduce", self.fqn))
+        saved[1](self)
+
+    def record(self, hooks):
+        events.append(("fwd" if hooks.phase is Phase.FORWARD else "bwd", hooks.unit.fqn))
+        saved[2](self, hooks)
+
+    handles = [block.ln_1.register_full_backward_pre_hook(lambda m, g, name=f"h.{i}": events.append(("grad", name)))
+               for i, block in enumerate(model.h)]
+    Unit.unshard, Unit.reduce_grads, RootContext.record = unshard, reduce_grads, record
+    try:
+        step()
+    finally:
+        Unit.unshard, Unit.reduce_grads, RootContext.record = saved
+        for handle in handles:
+            handle.remove()
+    return events
+
+
+def schedule_job(backward_prefetch, forward_prefetch: bool, limit) -> dict:
+    from tests.models import token_batch
+    from tests.reference import global_batches, local_slice
+
+    torch.manual_seed(0)
+    model = gpt4()
+    result = parity(model, lambda m: fullshard.shard_model(m, wrap={Block}, backward_prefetch=backward_prefetch,
+                                                           forward_prefetch=forward_prefetch, limit_all_gathers=limit),
+                    token_batch, lambda m, b: m(*b), steps=3)
+    batch = local_slice(global_batches(token_batch, 1, 8)[0], dist.get_rank(), dist.get_world_size())
+    with fullshard.stats(model) as stats:
+        result["events"] = record_schedule(model, lambda: model(*batch).backward())
+    result["peak"] = stats.peak_full_param_bytes
+    world = dist.get_world_size()
+    padded = lambda params: sum(4 * world * -(-p.shape[0] // world) * p[0].numel() for p in params)
+    plain = gpt4()
+    result["block"] = padded(plain.h[0].parameters())
+    result["root"] = padded([plain.wte.weight, plain.wpe.weight, *plain.ln_f.parameters()])
+    result["left_full"] = stats.full_param_bytes
+    return result
+
+
+def test_backward_prefetch_modes(world2):
+    # Backward runs h.3 (kept full after forward), h.2, h.1, h.0, then the root's
+    # reduction in the final callback. "pre" gathers the next unit before the current
+    # unit's gradient computation, "post" after it, None only when the unit is reached.
+    want = {
+        "pre": [("bwd", "h.3"), ("gather", "h.2"), ("grad", "h.3"), ("reduce", "h.3"),
+                ("bwd", "h.2"), ("gather", "h.1"), ("grad", "h.2"), ("reduce", "h.2")],
+        "post": [("bwd", "h.3"), ("grad", "h.3"), ("gather", "h.2"), ("reduce", "h.3"),
+                 ("bwd", "h.2"), ("grad", "h.2"), ("gather", "h.1"), ("reduce", "h.2")],
+        None: [("bwd", "h.3"), ("grad", "h.3"), ("reduce", "h.3"),
+               ("bwd", "h.2"), ("gather", "h.2"), ("grad", "h.2"), ("reduce", "h.2")],
+    }
+    for mode, events in want.items():
+        for got in world2.run(schedule_job, backward_prefetch=mode, forward_prefetch=False, limit=1):
+            assert_parity([got], "adamw")
+            backward = got["events"][got["events"].index(("bwd", "h.3")):]
+            assert backward[: len(events)] == events, (mode, backward)
+            assert backward[-1] == ("reduce", "<root>")
+            assert got["left_full"] == 0  # after the step no unit holds full parameters
+
+
+def test_forward_prefetch_follows_the_recorded_order(world2):
+    for limit, ahead in [(1, 1), (2, 2)]:
+        for got in world2.run(schedule_job, backward_prefetch="pre", forward_prefetch=True, limit=limit):
+            assert_parity([got], "adamw")
+            forward = got["events"][: got["events"].index(("fwd", "h.3")) + 1]
+            # the root gathers itself, then `limit` units ahead; each unit's start then
+            # tops the prefetch up again, so a unit never waits for its own gather to begin
+            assert forward[:2] == [("fwd", "<root>"), ("gather", "<root>")]
+            assert forward[2 : 2 + ahead] == [("gather", f"h.{i}") for i in range(ahead)]
+            assert [e for e in forward if e[0] == "gather"] == [("gather", n) for n in ["<root>", "h.0", "h.1", "h.2", "h.3"]]
+            assert forward.index(("gather", "h.1")) < forward.index(("fwd", "h.0")) + (2 if limit == 1 else 0)
+
+
+def test_limiter_bounds_full_parameters(world2):
+    # Full parameters alive at once, exactly: the root, the block computing and `limit`
+    # blocks gathered ahead (in backward the kept last block is the one computing).
+    # Peak memory falls with the limit; with 4 blocks a limit of 3 is no limit.
+    peaks = {}
+    for limit in (None, 3, 2, 1):
+        got = world2.run(schedule_job, backward_prefetch="pre", forward_prefetch=True, limit=limit)[0]
+        assert_parity([got], "adamw")
+        peaks[limit] = got["peak"]
+        root = got["root"]
+    block = got["block"]
+    for limit in (3, 2, 1):
+        assert peaks[limit] == root + (1 + limit) * block, (limit, peaks)
+    assert peaks[None] == peaks[3]
+
+
+def explicit_prefetch_job() -> list[tuple[str, str]]:
+    from tests.models import token_batch
+    from tests.reference import global_batches, local_slice
+
+    torch.manual_seed(0)
+    model = gpt4()
+    for block in reversed(model.h):
+        fullshard.fully_shard(block)
+    fullshard.fully_shard(model)
+    model.h[0].set_modules_to_forward_prefetch([model.h[2], model.h[1]])
+    model.h[3].set_modules_to_backward_prefetch([model.h[0]])
+    batch = local_slice(global_batches(token_batch, 1, 8)[0], dist.get_rank(), dist.get_world_size())
+    model(*batch).backward()
+    return record_schedule(model, lambda: model(*batch).backward())
+
+
+def test_explicit_prefetch_lists_override_the_order(world2):
+    for events in world2.run(explicit_prefetch_job):
+        fwd_h0 = events.index(("fwd", "h.0"))
+        assert events[fwd_h0 : fwd_h0 + 4] == [("fwd", "h.0"), ("gather", "h.0"), ("gather", "h.2"), ("gather", "h.1")]
+        bwd_h3 = events.index(("bwd", "h.3"))
+        assert events[bwd_h3 : bwd_h3 + 2] == [("bwd", "h.3"), ("gather", "h.0")]
+
+
+class Branchy(nn.Module):
+    """Takes a different middle block on odd steps: the forward order changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(6, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        path = [0, 1, 3] if self.calls % 2 else [0, 2, 3]
+        x = self.embed(x)
+        for i in path:
+            x = self.blocks[i](x)
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+def branchy_job() -> dict:
+    from tests.models import situations_batch
+
+    torch.manual_seed(0)
+    result = parity(Branchy(), lambda m: fullshard.shard_model(m, wrap={nn.Sequential}, forward_prefetch=True,
+                                                               limit_all_gathers=None),
+                    situations_batch, lambda m, b: m(*b), steps=4)
+    return result
+
+
+def test_changed_forward_order_is_followed_and_stays_exact(world2):
+    assert_parity(world2.run(branchy_job), "adamw")

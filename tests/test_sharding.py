@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import fullshard
-from fullshard.collectives import copy_out, gather_full, pack_grads, reduce_scatter_grads
+from fullshard.collectives import BufferPool, finish_gather, finish_reduce, gather_full, reduce_scatter_grads
 
 # 0-d; fewer rows than 4 ranks (empty shards); uneven; even; 1-d and 2-d
 SHAPES = [(), (1,), (3,), (1, 5), (7, 2), (4, 3), (13,)]
@@ -65,7 +65,9 @@ def test_shards_follow_torch_chunk_and_padding_is_invisible(request, world):
 
 
 def collectives_job(seed: int) -> dict:
-    """gather_full + copy_out against torch.cat, pack_grads + reduce_scatter_grads against a mean."""
+    """gather_full + finish_gather against torch.cat; reduce_scatter_grads + finish_reduce
+    against a mean (both through the backend's chosen way, and twice in
+    flight at once, as prefetch and overlap issue them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(seed)
@@ -73,18 +75,20 @@ def collectives_job(seed: int) -> dict:
     rows = [-(-f.shape[0] // world) for f in fulls]
     padded = [torch.cat([f, f.new_zeros(world * r - f.shape[0], *f.shape[1:])]) for f, r in zip(fulls, rows)]
     local = torch.cat([p.chunk(world)[rank].reshape(-1) for p in padded])
-    gathered = gather_full(local, group=group, async_op=True).wait()
-    outs = [torch.empty_like(p) for p in padded]
-    copy_out(gathered, outs, [p.numel() // world for p in padded], world=world)
-    gather_ok = all(torch.equal(o, p) for o, p in zip(outs, padded))
+    pool = BufferPool()
+    first, second = gather_full(local, group=group, pool=pool), gather_full(2 * local, group=group, pool=pool)
+    outs, twice = [torch.empty_like(p) for p in padded], [torch.empty_like(p) for p in padded]
+    finish_gather(first, outs, [p.numel() // world for p in padded], pool)
+    finish_gather(second, twice, [p.numel() // world for p in padded], pool)
+    gather_ok = all(torch.equal(o, p) and torch.equal(t, 2 * p) for o, t, p in zip(outs, twice, padded))
 
     grads = [torch.randn(f.shape, generator=torch.Generator().manual_seed(seed + rank + 1)) for f in fulls]
     grads.append(torch.tensor(float(rank)))  # 0-d
     grads.append(None if rank == 0 else torch.ones(2))  # only some ranks have it
     grads.append(None)  # no rank has it
     numels = [p.numel() // world for p in padded] + [1, 1, 1]
-    packed = pack_grads(grads, numels, world=world, dtype=torch.float32, device=torch.device("cpu"))
-    shard = reduce_scatter_grads(packed, shard_group=group, replicate_group=None, dp_size=world)
+    pending = reduce_scatter_grads(grads, numels, groups=(group, None), dp_size=world, dtype=torch.float32, pool=pool)
+    shard = finish_reduce(pending, pool)
     all_grads = [[torch.zeros_like(g) for _ in range(world)] for g in grads[:3]]
     for bucket, g in zip(all_grads, grads[:3]):
         dist.all_gather(bucket, g)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import fullshard
 from tests.models import model_spec
-from tests.reference import CollectiveLog, assert_parity, full_state, global_batches, local_slice, make_optimizer, \
+from tests.reference import assert_parity, full_state, global_batches, local_slice, make_optimizer, \
     max_diff, parity
 
 
@@ -67,7 +67,7 @@ def accumulation_job(mode: str, strategy: str) -> dict:
     micro, steps, reductions = 4, 2, []
     for big in global_batches(batch_fn, steps, 8 * micro):
         parts = [tuple(t.chunk(micro)[k] for t in big) for k in range(micro)]
-        with CollectiveLog() as log:
+        with fullshard.stats(model) as stats:
             for k, part in enumerate(parts):
                 last = k == micro - 1
                 if mode == "no_sync" and not last:
@@ -76,7 +76,7 @@ def accumulation_job(mode: str, strategy: str) -> dict:
                 else:
                     model.set_requires_gradient_sync(last or mode == "sync_every_step")
                     (loss_fn(model, local_slice(part, rank, world)) / micro).backward()
-        reductions.append(len(log.sizes("_reduce_scatter_base")) + len(log.sizes("allreduce")))
+        reductions.append(stats.reduce_scatters + stats.all_reduces)
         opt.step()
         opt.zero_grad()
         loss_fn(reference, big).backward()

@@ -3,7 +3,8 @@
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard
 from fullshard.errors import FullShardError
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
-from fullshard.training import clip_grad_norm_, full_params, no_sync
+from fullshard.stats import Stats
+from fullshard.training import clip_grad_norm_, full_params, no_sync, stats
 from fullshard.wrap import shard_model
 
 __all__ = [
@@ -11,10 +12,12 @@ __all__ = [
     "FSDPModule",
     "FullShardError",
     "MixedPrecisionPolicy",
+    "Stats",
     "UnshardHandle",
     "clip_grad_norm_",
     "full_params",
     "fully_shard",
     "no_sync",
     "shard_model",
+    "stats",
 ]

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fullshard.errors import fail
-from fullshard.hooks import HOOKS_ATTR, UnitHooks, unit_hooks
+from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, unit_hooks
 from fullshard.mesh import shard_group
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.unit import OwnedParam, Unit, UnitConfig
@@ -75,6 +75,26 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
 
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Gather these units, in this order, when this unit's forward starts.
+
+        Replaces the recorded forward order for this unit (and ignores the limiter).
+
+        Args:
+            modules: modules passed to ``fully_shard`` (units of the same model).
+        """
+        unit_hooks(self).forward_targets = prefetch_targets(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Gather these units, in this order, when this unit's backward starts.
+
+        Replaces the reversed forward order for this unit (and ignores the limiter).
+
+        Args:
+            modules: modules passed to ``fully_shard`` (units of the same model).
+        """
+        unit_hooks(self).backward_targets = prefetch_targets(modules, "set_modules_to_backward_prefetch")
+
     def _units(self, recurse: bool) -> list[Unit]:
         modules = self.modules() if recurse else [self]
         return [hooks.unit for m in modules if (hooks := unit_hooks(m)) is not None]
@@ -85,6 +105,14 @@ class FSDPModule:
             "Copy the model before sharding it, or build a new one and load "
             "fullshard.get_state_dict(model) into it.",
         )
+
+
+def prefetch_targets(modules: list[nn.Module], what: str) -> list[UnitHooks]:
+    others = [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]
+    if others:
+        raise fail(f"{what} was given modules that are not units: {others}",
+                   "Pass modules that fully_shard (or shard_model) made into units.")
+    return [unit_hooks(m) for m in modules]
 
 
 _FSDP_CLASSES: dict[type, type] = {}
@@ -155,6 +183,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: CPUOffloadPolicy | None = None,
     _exclude: Iterable[nn.Parameter] = (),
+    _schedule: Schedule = Schedule(),
 ) -> nn.Module:
     """Make `module` one unit: its parameters (those no inner unit owns) are sharded together.
 
@@ -203,5 +232,5 @@ def fully_shard(
     for o in owned:
         _OWNER[o.param] = f"{type(module).__name__} (as {o.fqn!r})"
     module.__class__ = fsdp_class(type(module))
-    module.__dict__[HOOKS_ATTR] = UnitHooks(unit)
+    module.__dict__[HOOKS_ATTR] = UnitHooks(unit, _schedule)
     return module

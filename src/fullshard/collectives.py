@@ -1,12 +1,32 @@
 """The collectives of a unit, as pure functions over tensors and process groups.
 
-This is the only module that calls torch.distributed collectives. It knows the row
-layout of Note [shard layout] (param.py) but nothing of units or modules.
+This is the only module that calls torch.distributed. It knows the row layout of
+Note [shard layout] (param.py) but nothing of units or modules. Every collective is
+split into an issue (returns a pending object at once) and a wait.
+
+# Note [collective choice]: NCCL (and any backend but gloo) uses its native
+# all-gather and reduce-scatter over the flat buffer. On gloo these are slow:
+# `benchmarks/gloo_collectives.py` on 2 CPU cores, world 2, median of 25 (ms; 1, 8 and
+# 32 MiB buffers): all_gather_into_tensor 0.6 / 4.5 / 32-76, point-to-point 0.4 / 2.9
+# / 10.8; reduce_scatter_tensor (an all-reduce of the whole input inside gloo) 1.7 /
+# 8.2 / 39, point-to-point 0.7 / 4.0 / 15 (world 4 alike). So on gloo each rank sends
+# its flat shard (gather) or each peer's row (reduce-scatter) straight to that peer:
+# one message per peer, (N-1)/N of the buffer on the wire, the bandwidth optimum.
+# The rows a reduce-scatter receives are summed in rank order, so the result does not
+# depend on message timing.
+#
+# Note [streams]: on CUDA the gather and the reduction run on side streams so they
+# overlap compute, ordered with events and without record_stream: every buffer the
+# compute stream uses or frees is allocated on the compute stream, a side stream
+# touches it only after waiting for the compute stream, and the compute stream waits
+# for the side stream before it reads the result or drops its reference. Buffers
+# allocated on a side stream are used only there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -14,88 +34,245 @@ import torch.distributed as dist
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+GATHER_TAG, REDUCE_TAG = 1, 2
+
+
+def uses_p2p(group: dist.ProcessGroup) -> bool:
+    """Note [collective choice]."""
+    return dist.get_backend(group) == "gloo"
+
+
+class BufferPool:
+    """Reuses communication buffers of equal size on the CPU while units follow one
+    another, so each unit does not allocate (and fault in) its own. On GPUs the caching
+    allocator already does this, per stream, so nothing is kept."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self.free[(shape, dtype, device)]
+        return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        if buffer.device.type == "cpu":
+            self.free[(tuple(buffer.shape), buffer.dtype, buffer.device)].append(buffer)
+
+    def release(self) -> None:
+        """Hand every kept buffer back to the allocator (between phases that use other memory)."""
+        self.free.clear()
+
+
+_side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream | None:
+    """The process's stream for `purpose` ("gather" or "reduce") on a GPU; None on CPU."""
+    if device.type != "cuda":
+        return None
+    if (device, purpose) not in _side_streams:
+        _side_streams[(device, purpose)] = torch.cuda.Stream(device, priority=-1)
+    return _side_streams[(device, purpose)]
+
+
+def wait_for_compute(stream: torch.cuda.Stream | None) -> None:
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+
+def compute_waits_for(stream: torch.cuda.Stream | None) -> None:
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
+def on(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else _Nothing()
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sends: what an optimal algorithm needs, and what the one used sends."""
+
+    logical: int
+    wire: int
 
 
 @dataclass
 class PendingGather:
-    """An all-gather in flight; `wait()` returns every rank's shard, rank after rank."""
+    """An all-gather in flight into `gathered`: every rank's flat shard, rank after rank
+    ([world, unit_shard_numel]), or on gloo only the peers' ([world - 1, ...]): a rank's
+    own shard goes from `local_flat` straight to its rows of the full parameters."""
 
-    work: dist.Work | None
-    gathered: torch.Tensor  # [world * unit_shard_numel]
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return self.gathered
-
-
-def gather_full(local_flat: torch.Tensor, *, group: dist.ProcessGroup, async_op: bool) -> PendingGather:
-    """Start the all-gather of a unit's flat shard over `group`."""
-    gathered = local_flat.new_empty(group.size() * local_flat.numel())  # [world * unit_shard_numel]
-    work = _all_gather_single(gathered, local_flat, group=group, async_op=async_op)
-    return PendingGather(work, gathered)
+    works: list
+    gathered: torch.Tensor
+    local_flat: torch.Tensor
+    rank: int
+    world: int
+    stream: torch.cuda.Stream | None
+    traffic: Traffic
 
 
-def copy_out(gathered: torch.Tensor, fulls: list[torch.Tensor], shard_numels: list[int], *, world: int) -> None:
-    """Move each parameter's rows out of the gathered buffer into its padded full tensor."""
-    rows = gathered.view(world, -1)  # [world, unit_shard_numel]
-    outs = [full.view(world, -1) for full in fulls]  # each [world, shard_numel]
-    with torch.no_grad():
-        torch.split_with_sizes_copy(rows, shard_numels, dim=1, out=outs)
+def gather_full(local_flat: torch.Tensor, *, group: dist.ProcessGroup, pool: BufferPool) -> PendingGather:
+    """Start gathering every rank's flat shard over `group` (Note [collective choice])."""
+    world, rank = group.size(), group.rank()
+    stream = side_stream(local_flat.device, "gather")
+    wait_for_compute(stream)  # the optimizer may have just written the shard
+    sent = (world - 1) * local_flat.numel() * local_flat.element_size()
+    with on(stream):
+        if uses_p2p(group):
+            peers = [r for r in range(world) if r != rank]
+            gathered = pool.take((world - 1, local_flat.numel()), local_flat.dtype, local_flat.device)
+            works = [dist.isend(local_flat, dist.get_global_rank(group, r), group=group, tag=GATHER_TAG) for r in peers]
+            works += [dist.irecv(row, dist.get_global_rank(group, r), group=group, tag=GATHER_TAG)
+                      for row, r in zip(gathered, peers)]
+        else:
+            gathered = pool.take((world, local_flat.numel()), local_flat.dtype, local_flat.device)
+            works = [_all_gather_single(gathered.view(-1), local_flat, group=group, async_op=True)]
+    return PendingGather(works, gathered, local_flat, rank, world, stream, Traffic(sent, sent))
 
 
-def pack_grads(
-    grads: list[torch.Tensor | None], shard_numels: list[int], *, world: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """Lay out full gradients in the rows a reduce-scatter sends, then one flag per gradient.
+def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int], pool: BufferPool) -> None:
+    """Wait for the gather and move each rank's rows into the parameters' padded full tensors.
 
-    Row r holds rank r's rows of every gradient (zero where a gradient is missing or
-    padded) followed by flags that are 1 where this rank has the gradient, so after the
-    reduction each rank knows whether any rank had one (a missing gradient stays None,
-    as in plain PyTorch). A 0-d gradient is put in every row.
+    `fulls` were allocated on the compute stream before the gather was issued.
+    """
+    world = pending.world
+    with on(pending.stream):
+        for work in pending.works:
+            work.wait()
+        outs = [full.view(world, -1) for full in fulls]  # each [world, shard_numel]
+        with torch.no_grad():
+            if pending.gathered.size(0) == world:
+                torch.split_with_sizes_copy(pending.gathered, shard_numels, dim=1, out=outs)
+            else:
+                rows = list(pending.gathered)
+                rows.insert(pending.rank, pending.local_flat)
+                for r, row in enumerate(rows):
+                    torch.split_with_sizes_copy(row, shard_numels, out=[out[r] for out in outs])
+    compute_waits_for(pending.stream)
+    pool.give(pending.gathered)
+
+
+def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], ranks: list[int], out: torch.Tensor) -> None:
+    """Write, for each r = ranks[i], rank r's rows of every full gradient into out[i],
+    followed by one has-gradient flag per gradient ([len(ranks), grad_shard_numel + n_flags]).
+
+    Rows are zero where a gradient is missing or padded; the flags are 1 where this rank
+    has the gradient, so after the reduction each rank knows whether any rank had one (a
+    gradient no rank has stays None, as in plain PyTorch). A 0-d gradient is in every row.
     """
     total = sum(shard_numels)
-    packed = torch.empty(world, total + len(grads), dtype=dtype, device=device)  # [world, grad_shard_numel + n_flags]
-    packed[:, total:] = torch.tensor([grad is not None for grad in grads], dtype=dtype)
+    out[:, total:] = torch.tensor([grad is not None for grad in grads], dtype=out.dtype)
+    runs = [(i, r) for i, r in enumerate(ranks) if i == 0 or r != ranks[i - 1] + 1]  # starts of consecutive ranks
     offset = 0
     for grad, numel in zip(grads, shard_numels):
-        dst = packed[:, offset : offset + numel]  # [world, shard_numel]
+        dst = out[:, offset : offset + numel]  # [len(ranks), shard_numel]
         offset += numel
         if grad is None:
             dst.zero_()
         elif grad.dim() == 0:
-            dst.copy_(grad.expand(world, 1))
+            dst.copy_(grad.expand(len(ranks), 1))
         elif numel:
             flat = grad.reshape(-1)
-            whole = flat.numel() // numel  # ranks whose rows are all real
-            dst[:whole].copy_(flat[: whole * numel].view(whole, numel))
-            if whole < world:
-                rest = flat.numel() - whole * numel
-                dst[whole, :rest].copy_(flat[whole * numel :])
-                dst[whole, rest:].zero_()
-                dst[whole + 1 :].zero_()
-    return packed
+            for (i, first), (j, _) in zip(runs, runs[1:] + [(len(ranks), None)]):
+                whole = max(0, min(j - i, flat.numel() // numel - first))  # ranks whose rows are all real
+                dst[i : i + whole].copy_(flat[first * numel : (first + whole) * numel].view(whole, numel))
+                if i + whole < j:  # a rank with some real rows, then ranks with none
+                    rest = max(0, flat.numel() - (first + whole) * numel)
+                    dst[i + whole, :rest].copy_(flat[(first + whole) * numel :])
+                    dst[i + whole, rest:].zero_()
+                    dst[i + whole + 1 : j].zero_()
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight; `finish_reduce` turns it into this rank's averaged row."""
+
+    works: list
+    sent: torch.Tensor | None  # [world - 1 or world, row_numel], kept alive until the sends are done
+    received: torch.Tensor | None  # [world - 1, row_numel] rows from the peers, in rank order (gloo)
+    shard: torch.Tensor  # [row_numel]
+    stream: torch.cuda.Stream | None
+    replicate_group: dist.ProcessGroup | None
+    dp_size: int
+    traffic: list[tuple[str, Traffic]] = field(default_factory=list)
 
 
 def reduce_scatter_grads(
-    packed: torch.Tensor,
+    grads: list[torch.Tensor | None],
+    shard_numels: list[int],
     *,
-    shard_group: dist.ProcessGroup | None,
-    replicate_group: dist.ProcessGroup | None,
+    groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None],
     dp_size: int,
-) -> torch.Tensor:
-    """Average `packed` over every data-parallel rank; return this rank's row.
+    dtype: torch.dtype,
+    pool: BufferPool,
+) -> PendingReduce:
+    """Start summing the full gradients' rows over the shard group; each rank keeps its own.
 
-    Inside the shard group one reduce-scatter sums the rows; across replicas one
-    all-reduce sums the result (hybrid sharding, eq. 1 of the paper).
+    `groups` is (shard group, replicate group). Across replicas (hybrid sharding) the row
+    is then all-reduced, and all is divided by the data-parallel size (eq. 1 of the
+    paper) in `finish_reduce`. On gloo a rank's own row is packed straight into the
+    result, which then adds the peers' rows (Note [collective choice]).
     """
+    shard_group, replicate_group = groups
+    device = next(g.device for g in grads if g is not None) if any(g is not None for g in grads) else None
+    device = device or torch.device("cpu")
+    world, rank = (shard_group.size(), shard_group.rank()) if shard_group is not None else (1, 0)
+    row_numel = sum(shard_numels) + len(grads)
+    shard = torch.empty(row_numel, dtype=dtype, device=device)  # [row_numel], on the compute stream
+    stream = side_stream(device, "reduce")
+    works, sent, received, traffic = [], None, None, []
     if shard_group is None:
-        shard = packed[0]  # [grad_shard_numel + n_flags]: one rank holds every row
+        pack_rows(grads, shard_numels, [0], shard.view(1, -1))  # one rank holds every row
+    elif uses_p2p(shard_group):
+        peers = [r for r in range(world) if r != rank]
+        sent = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
+        pack_rows(grads, shard_numels, peers, sent)
+        pack_rows(grads, shard_numels, [rank], shard.view(1, -1))
+        received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
+        works = [dist.isend(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=REDUCE_TAG)
+                 for row, r in zip(sent, peers)]
+        works += [dist.irecv(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=REDUCE_TAG)
+                  for row, r in zip(received, peers)]
     else:
-        shard = packed.new_empty(packed.size(1))  # [grad_shard_numel + n_flags]
-        _reduce_scatter_single(shard, packed.view(-1), op=dist.ReduceOp.SUM, group=shard_group)
-    if replicate_group is not None:
-        dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=replicate_group)
-    if dp_size > 1:
-        shard.div_(dp_size)
+        sent = pool.take((world, row_numel), dtype, device)  # [world, row_numel]
+        pack_rows(grads, shard_numels, list(range(world)), sent)
+        wait_for_compute(stream)  # the gradients were packed on the compute stream
+        with on(stream):
+            works = [_reduce_scatter_single(shard, sent.view(-1), op=dist.ReduceOp.SUM, group=shard_group,
+                                            async_op=True)]
+    if shard_group is not None:
+        nbytes = (world - 1) * row_numel * shard.element_size()
+        traffic.append(("reduce_scatter", Traffic(nbytes, nbytes)))
+    return PendingReduce(works, sent, received, shard, stream, replicate_group, dp_size, traffic)
+
+
+def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
+    """Wait for the reduction; return this rank's row averaged over the data-parallel ranks."""
+    shard = pending.shard
+    with on(pending.stream):
+        for work in pending.works:
+            work.wait()
+        if pending.received is not None:  # own row first, then the peers' in rank order
+            for row in pending.received:
+                shard.add_(row)
+        if pending.replicate_group is not None:
+            replicas = pending.replicate_group.size()
+            dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=pending.replicate_group)
+            nbytes = 2 * (replicas - 1) * shard.numel() * shard.element_size() // replicas
+            pending.traffic.append(("all_reduce", Traffic(nbytes, nbytes)))
+        if pending.dp_size > 1:
+            shard.div_(pending.dp_size)
+    compute_waits_for(pending.stream)
+    for buffer in (pending.sent, pending.received):
+        if buffer is not None:
+            pool.give(buffer)
     return shard

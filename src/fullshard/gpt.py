@@ -110,4 +110,4 @@ class GPT(nn.Module):
         logits = F.linear(self.ln_f(x), self.wte.weight)  # [B, T, vocab]
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))

@@ -14,12 +14,30 @@
 # (phase BACKWARD), builds a graph that is thrown away, and must not reshard: the hooks
 # only make sure the parameters are full. A reentrant recompute runs before the unit's
 # backward, builds the graph that the nested backward uses, and is an ordinary forward.
+#
+# Note [kept after forward]: two units keep their full parameters from forward to
+# backward whatever reshard_after_forward says, because backward needs them at once:
+# the root (whose outputs are the first to get gradients) and the unit that started
+# its forward last in the previous step (the first to get gradients in a sequential
+# model). Freeing them would only gather them again: one gather per step each saved,
+# for one unit's full parameters held a little longer.
+#
+# Note [prefetch]: a unit's gather is issued before it is needed so that it runs while
+# other units compute (the paper's backward and forward prefetch). Forward prefetch
+# follows the order the units ran in during the previous forward (each forward records
+# it anew, so a changed branch is followed from the next step on); backward prefetch
+# follows the reverse of this step's forward order. A unit's explicit prefetch list
+# replaces the recorded order for it. The limiter counts units gathered ahead of use:
+# a recorded-order prefetch stops at `limit` of them, which bounds the full parameters
+# alive at once to the units in use plus `limit`. Reductions overlap too: a unit's
+# reduce-scatter is issued at its post-backward and waited for at the next unit's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable
 
@@ -27,7 +45,9 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from fullshard.unit import Unit
+from fullshard.collectives import BufferPool
+from fullshard.stats import Stats
+from fullshard.unit import ShardState, Unit
 
 HOOKS_ATTR = "_fullshard_hooks"
 
@@ -68,6 +88,16 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     return obj
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """When units gather ahead of use, Note [prefetch]; shard_model resolves its knobs into this."""
+
+    prefetch_before_backward: bool = True  # "pre": before the current unit's gradient computation
+    prefetch_after_backward: bool = False  # "post": after it
+    forward_prefetch: bool = False
+    limit: int | None = 1  # units gathered ahead of use at once; None: no limit
+
+
 class PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs whose backward marks the end of the unit's backward."""
 
@@ -83,11 +113,71 @@ class PostBackward(torch.autograd.Function):
 
 
 class RootContext:
-    """What the units under one root share: the list of units and the final backward callback."""
+    """What the units under one root share: prefetch order, limiter, buffers, stats, final callback."""
 
-    def __init__(self, units: list[UnitHooks]) -> None:
+    def __init__(self, units: list[UnitHooks], schedule: Schedule) -> None:
         self.units = units
+        self.schedule = schedule
+        self.pool = BufferPool()
+        self.stats = Stats()
         self.callback_queued = False
+        self.order: list[UnitHooks] = []  # this step's forward order, first calls only
+        self.last_order: list[UnitHooks] = []
+        self.ahead: list[UnitHooks] = []  # gathered ahead of use, not used yet
+        self.reducing: UnitHooks | None = None  # the unit whose reduction is in flight
+
+    # ---- prefetch, Note [prefetch] --------------------------------------------------
+
+    def start_forward(self) -> None:
+        if self.order:
+            self.last_order, self.order = self.order, []
+
+    def record(self, hooks: UnitHooks) -> None:
+        if hooks.ahead_of_use:
+            self.ahead.remove(hooks)
+            hooks.ahead_of_use = False
+        if hooks not in self.order:
+            self.order.append(hooks)
+
+    def prefetch(self, targets: list[UnitHooks], *, limited: bool) -> None:
+        for target in targets:
+            if limited and self.schedule.limit is not None and len(self.ahead) >= self.schedule.limit:
+                return
+            if target.unit.state is ShardState.SHARDED and target.unit.pending is None:
+                target.unit.unshard()
+                target.ahead_of_use = True
+                self.ahead.append(target)
+
+    def prefetch_forward(self, hooks: UnitHooks) -> None:
+        if hooks.forward_targets is not None:
+            self.prefetch(hooks.forward_targets, limited=False)
+        elif self.schedule.forward_prefetch and hooks in self.last_order:
+            self.prefetch(self.last_order[self.last_order.index(hooks) + 1 :], limited=True)
+
+    def prefetch_backward(self, hooks: UnitHooks) -> None:
+        if hooks.backward_targets is not None:
+            self.prefetch(hooks.backward_targets, limited=False)
+        elif hooks in self.order:
+            self.prefetch(self.order[: self.order.index(hooks)][::-1], limited=True)
+
+    def ran_last(self, hooks: UnitHooks) -> bool:
+        """Whether `hooks` was the last unit to start its forward in the previous step."""
+        return bool(self.last_order) and self.last_order[-1] is hooks
+
+    def drop_unused_prefetches(self) -> None:
+        """End of forward: units prefetched but never run (the order changed) are freed."""
+        for hooks in self.ahead:
+            hooks.unit.reshard()
+            hooks.ahead_of_use = False
+        self.ahead.clear()
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def reduce_issued(self, hooks: UnitHooks) -> None:
+        """`hooks`' reduction is in flight: wait for the one issued before it."""
+        if self.reducing is not None and self.reducing is not hooks:
+            self.reducing.unit.finish_reduce()
+        self.reducing = hooks
 
     def queue_final_callback(self) -> None:
         if not self.callback_queued:
@@ -99,44 +189,52 @@ class RootContext:
         with torch.profiler.record_function("fullshard::final_callback"):
             for hooks in reversed(self.units):
                 hooks.finish_backward()
+        self.drop_unused_prefetches()
+        self.reducing = None
         self.callback_queued = False
+        self.stats.steps += 1
+        self.pool.release()  # forward's activations may reuse that memory
 
     def recover(self) -> None:
         """A backward that raised never ran the final callback: start the next step clean."""
         if self.callback_queued:
             for hooks in self.units:
                 hooks.reset()
+            self.drop_unused_prefetches()
+            self.reducing = None
             self.callback_queued = False
 
 
 class UnitHooks:
     """The hooks of one unit; the root's also owns the RootContext (Note [backward triggers])."""
 
-    def __init__(self, unit: Unit) -> None:
+    def __init__(self, unit: Unit, schedule: Schedule) -> None:
         self.unit = unit
+        self.schedule = schedule  # the root's applies to every unit under it (ctx.schedule)
         self.ctx: RootContext | None = None
         self.is_root = False
         self.free_after_forward = unit.config.free_after_forward
         self.phase = Phase.IDLE
         self.needs_reduce = False
+        self.ahead_of_use = False
+        self.forward_targets: list[UnitHooks] | None = None  # explicit prefetch lists
+        self.backward_targets: list[UnitHooks] | None = None
         unit.module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
         unit.module.register_forward_hook(self.post_forward)
 
     def lazy_init(self) -> RootContext:
-        """On the first forward, the outermost unit becomes the root of every unit below it.
-
-        The root keeps its parameters full from forward to backward: backward starts with
-        it, so freeing them would only gather them again at once.
-        """
+        """On the first forward, the outermost unit becomes the root of every unit below it."""
         if self.ctx is None:
             names = {module: name for name, module in self.unit.module.named_modules()}
             units = [hooks for module in names if (hooks := unit_hooks(module)) is not None]
-            ctx = RootContext(units)
+            ctx = RootContext(units, self.schedule)
             for hooks in units:
                 hooks.ctx = ctx
                 hooks.is_root = hooks is self
                 hooks.free_after_forward = hooks.unit.config.free_after_forward and not hooks.is_root
-                hooks.unit.fqn = names[hooks.unit.module] or type(self.unit.module).__name__
+                hooks.unit.fqn = names[hooks.unit.module] or "<root>"
+                hooks.unit.pool = ctx.pool
+                hooks.unit.stats = ctx.stats
         return self.ctx
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -146,8 +244,11 @@ class UnitHooks:
             return None
         if self.is_root:
             ctx.recover()
+            ctx.start_forward()
         self.phase = Phase.FORWARD
+        ctx.record(self)
         self.unit.unshard()
+        ctx.prefetch_forward(self)
         self.unit.wait_unshard()
         if not torch.is_grad_enabled():
             return None
@@ -166,10 +267,12 @@ class UnitHooks:
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
             return
         self.phase = Phase.IDLE
+        if self.is_root:
+            self.ctx.drop_unused_prefetches()
         if not torch.is_grad_enabled():
             self.unit.reshard()
             return
-        if self.free_after_forward:
+        if self.free_after_forward and not self.ctx.ran_last(self):  # Note [kept after forward]
             self.unit.reshard()
         for tensor in tensors_in(output):
             if tensor.requires_grad:
@@ -179,11 +282,17 @@ class UnitHooks:
         self.ctx.queue_final_callback()
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
+            self.ctx.record(self)
             self.unit.unshard()
+            if self.ctx.schedule.prefetch_before_backward:
+                self.ctx.prefetch_backward(self)
             self.unit.wait_unshard()
 
     def post_backward(self) -> None:
+        if self.ctx.schedule.prefetch_after_backward:
+            self.ctx.prefetch_backward(self)
         self.unit.post_backward()
+        self.ctx.reduce_issued(self)
         self.needs_reduce = False
         self.phase = Phase.IDLE
 
@@ -192,10 +301,12 @@ class UnitHooks:
             self.unit.post_backward()
         elif self.unit.reshard_after_backward:
             self.unit.reshard()
+        self.unit.finish_reduce()
         self.needs_reduce = False
         self.phase = Phase.IDLE
 
     def reset(self) -> None:
+        self.unit.finish_reduce()
         self.unit.reshard()
         for p in self.unit.params:
             p.unsharded.grad = None

@@ -10,10 +10,11 @@
 #
 # Note [stable full params]: autograd saves the full parameter in forward and reads it
 # in backward, possibly after a reshard and a new gather in between. So the full
-# Parameter object is made once; freeing it resizes its storage to zero and gathering
-# refills the same storage. We write the gathered bytes through a second tensor over that
-# storage (`full_padded`), which does not share the Parameter's version counter: the
-# refill puts back the very values autograd saved and must not look like an in-place edit.
+# Parameter objects are made once, as views of one storage per unit; freeing them
+# resizes that storage to zero and gathering refills the same storage. The gathered
+# bytes are written through other tensors over that storage (`full_padded`), which do
+# not share the Parameters' version counters: the refill puts back the very values
+# autograd saved and must not look like an in-place edit.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ class ShardedParam:
         fqn: str,
         group: ShardGroup,
         segment: torch.Tensor,
+        full_segment: torch.Tensor | None,
     ) -> None:
+        """`segment` is this parameter's part of the unit's flat shard; `full_segment` its
+        part of the unit's full storage (None when one rank holds every row)."""
         self.fqn = fqn
         self.slots = slots  # every (module, attribute) the parameter is registered under
         self.shape = original.shape
@@ -78,15 +82,12 @@ class ShardedParam:
         self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=original.requires_grad)
 
         # Note [stable full params]
-        self.aliases_shard = group.world == 1
-        if self.aliases_shard:
+        if full_segment is None:
             self.full_padded = segment  # one rank holds every row: full and shard are one tensor
         else:
             padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
-            self.full_padded = segment.new_empty(padded_shape)  # [world * rows_per_shard, *shape[1:]]
-            self.full_bytes = self.full_padded.untyped_storage().nbytes()
+            self.full_padded = full_segment.view(padded_shape)  # [world * rows_per_shard, *shape[1:]]
         self.unsharded = nn.Parameter(alias(self.full_padded, self.shape), requires_grad=original.requires_grad)
-        self.release_full()
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's rows (of the parameter or of its gradient) as a DTensor."""
@@ -97,17 +98,6 @@ class ShardedParam:
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()
-
-    def alloc_full(self) -> None:
-        if not self.aliases_shard and self.full_padded.untyped_storage().nbytes() == 0:
-            self.full_padded.untyped_storage().resize_(self.full_bytes)
-
-    def release_full(self) -> None:
-        if not self.aliases_shard:
-            self.full_padded.untyped_storage().resize_(0)
-
-    def is_full_allocated(self) -> bool:
-        return self.aliases_shard or self.full_padded.untyped_storage().nbytes() > 0
 
     def to_full(self) -> None:
         """Register the full parameter on the modules, mirroring the shard's requires_grad."""

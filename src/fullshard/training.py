@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fullshard.errors import fail
 from fullshard.hooks import Phase, unit_hooks
+from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
 
 
@@ -22,6 +23,26 @@ def units_of(model: nn.Module, what: str) -> list[Unit]:
         raise fail(f"{what} was given a model that fullshard has not sharded",
                    "Call fullshard.shard_model(model) or fully_shard on it first.")
     return units
+
+
+def stats(model: nn.Module) -> Stats:
+    """The live communication and memory counters of a sharded model, on this rank.
+
+    Use as a context manager to count a stretch of training from zero::
+
+        with fullshard.stats(model) as s:
+            loss = model(x, y); loss.backward()
+        s.gather_bytes, s.sent_bytes, s.wait_s, s.peak_full_param_bytes, s.per_step()
+
+    Args:
+        model: the sharded model (its outermost unit's counters cover every unit below).
+
+    Returns:
+        The :class:`Stats` object the units update; ``reset()`` zeroes it.
+    """
+    units_of(model, "stats")
+    root = next(m for m in model.modules() if unit_hooks(m) is not None)
+    return unit_hooks(root).lazy_init().stats
 
 
 def counts_once(grad: torch.Tensor) -> bool:
@@ -51,20 +72,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm_type = float(norm_type)
     grads = [p.grad for p in dict.fromkeys(model.parameters()) if p.grad is not None]
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    counted = [t for g, t in zip(grads, locals_) if counts_once(g) and t.numel()]
     device = locals_[0].device if locals_ else torch.device("cpu")
-    counted = [t.detach().float() for g, t in zip(grads, locals_) if counts_once(g) and t.numel()]
+    total = torch.nn.utils.get_total_norm(counted, norm_type).to(device, torch.float32) if counted \
+        else torch.zeros((), device=device)
     if math.isinf(norm_type):
-        total = torch.stack([t.abs().max() for t in counted]).max() if counted else torch.zeros((), device=device)
         dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    else:
-        powers = [torch.linalg.vector_norm(t, norm_type) ** norm_type for t in counted]
-        total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
+    else:  # the p-th powers of the ranks' local norms add up to the global one's
+        total = total ** norm_type
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         total = total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for t in locals_:
-            t.mul_(clip_coef.to(t.dtype))
+    if locals_:
+        torch._foreach_mul_(locals_, clip_coef)
     return total
 
 

@@ -2,26 +2,31 @@
 
 A training step moves every unit through the same cycle (hooks.py decides when):
 
-    SHARDED --unshard()/wait_unshard()--> FULL      before the unit's forward
-    FULL    --reshard()-->               SHARDED    after forward if it frees then
-    SHARDED --unshard()/wait_unshard()--> FULL      before the unit's backward
-    FULL    --reduce_grads(), reshard()--> SHARDED  after the unit's backward
+    SHARDED --unshard()--> gathering --wait_unshard()--> FULL     before the unit's forward
+    FULL    --reshard()-->                               SHARDED  after forward if it frees then
+    SHARDED --unshard()--> gathering --wait_unshard()--> FULL     before the unit's backward
+    FULL    --reduce_grads()--> reducing, reshard()-->   SHARDED  after the unit's backward
+    reducing --finish_reduce()--> gradients on the shards          a little later
 
-Between steps every unit is SHARDED: the modules hold the DTensor shards, which is
-all the optimizer sees. While FULL, the modules hold plain full parameters.
+Between steps every unit is SHARDED with no collective in flight: the modules hold
+the DTensor shards, which is all the optimizer sees. While FULL, the modules hold
+plain full parameters, views of one storage per unit that exists only while needed.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
 from torch import nn
 
-from fullshard.collectives import PendingGather, copy_out, gather_full, pack_grads, reduce_scatter_grads
+from fullshard.collectives import (BufferPool, PendingGather, PendingReduce, finish_gather, finish_reduce,
+                                   gather_full, reduce_scatter_grads)
 from fullshard.mesh import ShardGroup
 from fullshard.param import ShardedParam, shard_numel
+from fullshard.stats import Stats
 
 
 class ShardState(Enum):
@@ -53,45 +58,58 @@ class Unit:
         self.group = group
         self.config = config
         self.fqn = ""  # set by the root at lazy init, for messages and profiler labels
-        shard_numels = [shard_numel(o.param.shape, group.world) for o in owned]
+        self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
+        self.stats = Stats()  # likewise the root's
+        self.shard_numels = [shard_numel(o.param.shape, group.world) for o in owned]
         dtype = owned[0].param.dtype if owned else torch.float32
         device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
-        self.local_flat = torch.zeros(sum(shard_numels), dtype=dtype, device=device)  # [unit_shard_numel]
+        self.local_flat = torch.zeros(sum(self.shard_numels), dtype=dtype, device=device)  # [unit_shard_numel]
+        # Note [stable full params]: one storage for every full parameter of the unit
+        self.full_flat = None if group.shard_pg is None else self.local_flat.new_empty(
+            group.world * self.local_flat.numel())  # [world * unit_shard_numel], per-parameter blocks
         self.params: list[ShardedParam] = []
         offset = 0
-        for o, numel in zip(owned, shard_numels):
+        for o, numel in zip(owned, self.shard_numels):
             segment = self.local_flat[offset : offset + numel]
-            self.params.append(ShardedParam(o.param, o.slots, o.fqn, group, segment))
+            full_segment = None if self.full_flat is None else \
+                self.full_flat[group.world * offset : group.world * (offset + numel)]
+            self.params.append(ShardedParam(o.param, o.slots, o.fqn, group, segment, full_segment))
             offset += numel
+        self.full_bytes = 0 if self.full_flat is None else self.full_flat.untyped_storage().nbytes()
+        if self.full_flat is not None:
+            self.full_flat.untyped_storage().resize_(0)
         for p in self.params:
             p.to_sharded()
         self.state = ShardState.SHARDED
         self.pending: PendingGather | None = None
+        self.pending_reduce: tuple[list[ShardedParam], list[int], PendingReduce] | None = None
         self.sync_grads = True
         self.reshard_after_backward = True
+        self.counted_grad_bytes = 0  # full gradient bytes already in stats.full_grad_bytes
 
     # ---- all-gather -------------------------------------------------------------
 
     def unshard(self) -> None:
         """Start gathering the full parameters; a no-op when full or already gathering."""
-        if self.state is ShardState.FULL or self.pending is not None or self.group.shard_pg is None:
+        if self.state is ShardState.FULL or self.pending is not None or self.full_flat is None:
             return
         with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
-            self.pending = gather_full(self.local_flat, group=self.group.shard_pg, async_op=True)
+            self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
+            self.stats.full_params(self.full_bytes)
+            self.pending = gather_full(self.local_flat, group=self.group.shard_pg, pool=self.pool)
+        self.stats.count(self.fqn, "gather", self.pending.traffic.logical, self.pending.traffic.wire)
 
     def wait_unshard(self) -> None:
         """Finish the gather and register the full parameters on the modules."""
         if self.state is ShardState.FULL:
             return
-        if self.group.shard_pg is not None:
+        if self.full_flat is not None:
             self.unshard()
+            start = time.perf_counter()
             with torch.profiler.record_function(f"fullshard::wait gather {self.fqn}"):
-                gathered = self.pending.wait()  # [world * unit_shard_numel]
+                finish_gather(self.pending, [p.full_padded for p in self.params], self.shard_numels, self.pool)
+            self.stats.wait_s += time.perf_counter() - start
             self.pending = None
-            for p in self.params:
-                p.alloc_full()
-            copy_out(gathered, [p.full_padded for p in self.params],
-                     [p.shard_numel for p in self.params], world=self.group.world)
             with torch.no_grad():
                 for p in self.params:
                     if p.replicated:  # keep every rank's copy equal to the one used, Note [shard layout]
@@ -103,48 +121,76 @@ class Unit:
     def reshard(self) -> None:
         """Drop the full parameters and put the shards back on the modules; a no-op when sharded."""
         if self.pending is not None:  # a prefetch nobody used: finish it, then drop it
-            self.pending.wait()
+            finish_gather(self.pending, [p.full_padded for p in self.params], self.shard_numels, self.pool)
             self.pending = None
+            self.state = ShardState.FULL
         if self.state is ShardState.SHARDED:
             return
         for p in self.params:
             p.to_sharded()
-            p.release_full()
+        if self.full_flat is not None:
+            self.full_flat.untyped_storage().resize_(0)
+            self.stats.full_params(-self.full_bytes)
         self.state = ShardState.SHARDED
 
     # ---- gradients ----------------------------------------------------------------
+
+    def count_full_grads(self) -> None:
+        """Bring stats.full_grad_bytes up to the full gradients this unit holds now."""
+        held = sum(p.unsharded.grad.nbytes for p in self.params if p.unsharded.grad is not None)
+        self.stats.full_grads(held - self.counted_grad_bytes)
+        self.counted_grad_bytes = held
 
     def has_full_grads(self) -> bool:
         return any(p.unsharded.grad is not None for p in self.params)
 
     def post_backward(self) -> None:
-        """Reduce (unless gradient sync is off: full gradients then keep accumulating) and reshard."""
+        """Start reducing (unless gradient sync is off: full gradients then keep accumulating) and reshard."""
         if self.sync_grads:
             self.reduce_grads()
+        else:
+            self.count_full_grads()
         if self.reshard_after_backward:
             self.reshard()
 
     def reduce_grads(self) -> None:
-        """Average the full gradients over the data-parallel ranks into the shards' gradients.
+        """Start averaging the full gradients over the data-parallel ranks (finish_reduce lands them).
 
-        One reduce-scatter (plus one all-reduce across replicas) for the whole unit. A
-        parameter no rank computed a gradient for keeps the gradient it had.
+        One reduce-scatter (plus one all-reduce across replicas) for the whole unit.
         """
+        self.finish_reduce()  # a unit reduced twice in one backward (used twice in forward)
         grad_params = [p for p in self.params if p.sharded.requires_grad]
         if not grad_params:
             return
-        full_grads = [p.unsharded.grad for p in grad_params]
-        numels = [p.shard_numel for p in grad_params]
         group = self.group
+        numels = [p.shard_numel for p in grad_params]
+        full_grads = [p.unsharded.grad for p in grad_params]
+        self.count_full_grads()
         with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
-            packed = pack_grads(full_grads, numels, world=group.world,
-                                dtype=grad_params[0].sharded.dtype, device=self.local_flat.device)
+            pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, group.replicate_pg),
+                                           dp_size=group.dp_size, dtype=grad_params[0].sharded.dtype, pool=self.pool)
             for p in grad_params:
                 p.unsharded.grad = None
-            shard = reduce_scatter_grads(packed, shard_group=group.shard_pg,
-                                         replicate_group=group.replicate_pg, dp_size=group.dp_size)
-        total = sum(numels)
-        flags = shard[total:].tolist()
+            del full_grads
+            self.count_full_grads()
+        self.pending_reduce = (grad_params, numels, pending)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction in flight and add it to the shards' gradients.
+
+        A parameter no rank computed a gradient for keeps the gradient it had.
+        """
+        if self.pending_reduce is None:
+            return
+        grad_params, numels, pending = self.pending_reduce
+        self.pending_reduce = None
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"fullshard::wait reduce {self.fqn}"):
+            shard = finish_reduce(pending, self.pool)  # [grad_shard_numel + n_flags]
+        self.stats.wait_s += time.perf_counter() - start
+        for kind, traffic in pending.traffic:
+            self.stats.count(self.fqn, kind, traffic.logical, traffic.wire)
+        flags = shard[sum(numels):].tolist()
         offset = 0
         for p, numel, flag in zip(grad_params, numels, flags):
             if flag:

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.api import FSDPModule, fully_shard
 from fullshard.errors import fail
+from fullshard.hooks import Schedule
 from fullshard.mesh import build_mesh, mesh_roles
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -93,9 +94,12 @@ def shard_model(
     units = choose_units(model, wrap)
     if mesh is None:
         mesh = build_mesh(spec["mesh_dims"])
+    schedule = Schedule(prefetch_before_backward=backward_prefetch == "pre",
+                        prefetch_after_backward=backward_prefetch == "post",
+                        forward_prefetch=bool(forward_prefetch), limit=limit_all_gathers)
     for module, exclude in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=spec["reshard_after_forward"],
-                    mp_policy=mp_policy, offload_policy=offload_policy, _exclude=exclude)
+                    mp_policy=mp_policy, offload_policy=offload_policy, _exclude=exclude, _schedule=schedule)
     return model
 
 

@@ -1,0 +1,82 @@
+"""Stats: exact communication and memory accounting of the units under one root."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Counts since the last reset, for this rank.
+
+    Bytes are bytes this rank sends: "logical" is what a bandwidth-optimal algorithm
+    must send ((N-1)/N of a gather's output, of a reduce-scatter's input, 2(N-1)/N of
+    an all-reduce), "wire" what the algorithm in use sends. `wait_s` is host time
+    blocked on communication (on GPUs waits are stream waits and cost no host time).
+    Peaks are of full (unsharded) parameters and gradients alive at once, in bytes.
+    """
+
+    steps: int = 0  # backward passes finished
+    gathers: int = 0
+    reduce_scatters: int = 0
+    all_reduces: int = 0  # across replicas (hybrid sharding, no_shard)
+    gather_bytes: int = 0
+    gather_wire_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    reduce_scatter_wire_bytes: int = 0
+    all_reduce_bytes: int = 0
+    all_reduce_wire_bytes: int = 0
+    wait_s: float = 0.0
+    full_param_bytes: int = 0  # alive now
+    full_grad_bytes: int = 0  # alive now, as far as the units have seen them
+    peak_full_param_bytes: int = 0
+    peak_full_grad_bytes: int = 0
+    per_unit: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+
+    @property
+    def sent_bytes(self) -> int:
+        """Everything this rank put on the wire."""
+        return self.gather_wire_bytes + self.reduce_scatter_wire_bytes + self.all_reduce_wire_bytes
+
+    def reset(self) -> Stats:
+        """Zero the counters (peaks restart from what is alive now) and return self."""
+        alive = (self.full_param_bytes, self.full_grad_bytes)
+        self.__init__()
+        self.full_param_bytes, self.full_grad_bytes = alive
+        self.peak_full_param_bytes, self.peak_full_grad_bytes = alive
+        return self
+
+    def __enter__(self) -> Stats:
+        return self.reset()
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def count(self, unit: str, kind: str, logical: int, wire: int) -> None:
+        """One collective of `kind` ("gather", "reduce_scatter", "all_reduce") by `unit`."""
+        setattr(self, kind + "s", getattr(self, kind + "s") + 1)
+        setattr(self, kind + "_bytes", getattr(self, kind + "_bytes") + logical)
+        setattr(self, kind + "_wire_bytes", getattr(self, kind + "_wire_bytes") + wire)
+        self.per_unit[unit][kind + "s"] += 1
+
+    def full_params(self, delta: int) -> None:
+        self.full_param_bytes += delta
+        self.peak_full_param_bytes = max(self.peak_full_param_bytes, self.full_param_bytes)
+
+    def full_grads(self, delta: int) -> None:
+        self.full_grad_bytes += delta
+        self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, self.full_grad_bytes)
+
+    def per_step(self) -> dict[str, float]:
+        """Counters divided by the finished backward passes (peaks as they are)."""
+        steps = max(self.steps, 1)
+        out: dict[str, float] = {}
+        for name in ("gathers", "reduce_scatters", "all_reduces", "gather_bytes", "gather_wire_bytes",
+                     "reduce_scatter_bytes", "reduce_scatter_wire_bytes", "all_reduce_bytes",
+                     "all_reduce_wire_bytes", "wait_s"):
+            out[name] = getattr(self, name) / steps
+        out["sent_bytes"] = self.sent_bytes / steps
+        out["peak_full_param_bytes"] = self.peak_full_param_bytes
+        out["peak_full_grad_bytes"] = self.peak_full_grad_bytes
+        return out
