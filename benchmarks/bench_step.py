@@ -185,6 +185,16 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(impl: str, preset: str, dtype: str, steps: int, warmup: int) -> dict:
+    """One fresh run; a run that crashes is tried once more (torch's FSDP1 sometimes aborts
+    in its teardown on gloo) and the retry is reported."""
+    try:
+        return launch_once(impl, preset, dtype, steps, warmup)
+    except RuntimeError as e:
+        print(f"retrying {impl} {preset} {dtype} after: {str(e).splitlines()[-1][:200]}", flush=True)
+        return launch_once(impl, preset, dtype, steps, warmup)
+
+
+def launch_once(impl: str, preset: str, dtype: str, steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
