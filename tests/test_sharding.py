@@ -76,7 +76,9 @@ def collectives_job(seed: int) -> dict:
     padded = [torch.cat([f, f.new_zeros(world * r - f.shape[0], *f.shape[1:])]) for f, r in zip(fulls, rows)]
     local = torch.cat([p.chunk(world)[rank].reshape(-1) for p in padded])
     pool = BufferPool()
-    first, second = gather_full(local, group=group, pool=pool), gather_full(2 * local, group=group, pool=pool)
+    cpu, f32 = torch.device("cpu"), torch.float32
+    first = gather_full(local, group=group, dtype=f32, device=cpu, pool=pool)
+    second = gather_full(2 * local, group=group, dtype=f32, device=cpu, pool=pool)
     outs, twice = [torch.empty_like(p) for p in padded], [torch.empty_like(p) for p in padded]
     finish_gather(first, outs, [p.numel() // world for p in padded], pool)
     finish_gather(second, twice, [p.numel() // world for p in padded], pool)
@@ -87,7 +89,8 @@ def collectives_job(seed: int) -> dict:
     grads.append(None if rank == 0 else torch.ones(2))  # only some ranks have it
     grads.append(None)  # no rank has it
     numels = [p.numel() // world for p in padded] + [1, 1, 1]
-    pending = reduce_scatter_grads(grads, numels, groups=(group, None), dp_size=world, dtype=torch.float32, pool=pool)
+    shard = torch.empty(sum(numels) + len(numels))
+    pending = reduce_scatter_grads(grads, numels, groups=(group, None), dp_size=world, shard=shard, pool=pool)
     shard = finish_reduce(pending, pool)
     all_grads = [[torch.zeros_like(g) for _ in range(world)] for g in grads[:3]]
     for bucket, g in zip(all_grads, grads[:3]):

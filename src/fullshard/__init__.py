@@ -4,13 +4,14 @@ from fullshard.api import FSDPModule, UnshardHandle, fully_shard
 from fullshard.errors import FullShardError
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.stats import Stats
-from fullshard.training import clip_grad_norm_, full_params, no_sync, stats
+from fullshard.training import GradScaler, clip_grad_norm_, full_params, no_sync, stats
 from fullshard.wrap import shard_model
 
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
     "FullShardError",
+    "GradScaler",
     "MixedPrecisionPolicy",
     "Stats",
     "UnshardHandle",

@@ -222,13 +222,20 @@ def fully_shard(
         if policy is not None and not isinstance(policy, kind):
             raise fail(f"{name} must be a fullshard.{kind.__name__} or None, got {type(policy).__name__}",
                        f"Pass fullshard.{kind.__name__}(...).")
-    if (mp_policy is not None and mp_policy != MixedPrecisionPolicy()) or offload_policy is not None:
-        raise fail("mixed precision and CPU offload are not implemented yet (issue #4)",
-                   "Train in the parameters' own dtype on the compute device for now.")
     owned = owned_params(module, _exclude)
     check_owned(module, owned)
     group = shard_group(mesh)
-    unit = Unit(module, owned, group, UnitConfig(free_after_forward=reshard_after_forward))
+    mp = mp_policy or MixedPrecisionPolicy()
+    config = UnitConfig(
+        free_after_forward=reshard_after_forward,
+        param_dtype=mp.param_dtype,
+        reduce_dtype=mp.reduce_dtype or mp.param_dtype,
+        input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
+        output_dtype=mp.output_dtype,
+        offload=offload_policy is not None,
+        pin_memory=offload_policy is not None and offload_policy.pin_memory,
+    )
+    unit = Unit(module, owned, group, config)
     for o in owned:
         _OWNER[o.param] = f"{type(module).__name__} (as {o.fqn!r})"
     module.__class__ = fsdp_class(type(module))

@@ -113,21 +113,37 @@ class PendingGather:
 
     works: list
     gathered: torch.Tensor
-    local_flat: torch.Tensor
+    local_flat: torch.Tensor  # what this rank sent
+    staged: bool  # `local_flat` is a pool buffer (a cast or moved copy of the shard)
     rank: int
     world: int
     stream: torch.cuda.Stream | None
     traffic: Traffic
 
 
-def gather_full(local_flat: torch.Tensor, *, group: dist.ProcessGroup, pool: BufferPool) -> PendingGather:
-    """Start gathering every rank's flat shard over `group` (Note [collective choice])."""
-    world, rank = group.size(), group.rank()
-    stream = side_stream(local_flat.device, "gather")
+def gather_full(
+    shard: torch.Tensor, *, group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device,
+    pool: BufferPool,
+) -> PendingGather:
+    """Start gathering every rank's flat shard over `group` in `dtype` on `device`.
+
+    The shard is first moved to the compute device (CPU offload) and cast (mixed
+    precision), so the gather moves `dtype`'s bytes. With no group (one rank holds
+    every row) nothing is sent: the staged shard is the result.
+    """
+    world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
+    stream = side_stream(device, "gather")
     wait_for_compute(stream)  # the optimizer may have just written the shard
-    sent = (world - 1) * local_flat.numel() * local_flat.element_size()
     with on(stream):
-        if uses_p2p(group):
+        staged = shard.dtype != dtype or shard.device != device
+        local_flat = shard
+        if staged:
+            local_flat = pool.take((shard.numel(),), dtype, device)  # [unit_shard_numel]
+            local_flat.copy_(shard, non_blocking=True)  # pinned host memory: overlaps compute on GPUs
+        sent = (world - 1) * local_flat.numel() * local_flat.element_size()
+        if group is None:
+            gathered, works = local_flat.new_empty((0, local_flat.numel())), []
+        elif uses_p2p(group):
             peers = [r for r in range(world) if r != rank]
             gathered = pool.take((world - 1, local_flat.numel()), local_flat.dtype, local_flat.device)
             works = [dist.isend(local_flat, dist.get_global_rank(group, r), group=group, tag=GATHER_TAG) for r in peers]
@@ -136,7 +152,7 @@ def gather_full(local_flat: torch.Tensor, *, group: dist.ProcessGroup, pool: Buf
         else:
             gathered = pool.take((world, local_flat.numel()), local_flat.dtype, local_flat.device)
             works = [_all_gather_single(gathered.view(-1), local_flat, group=group, async_op=True)]
-    return PendingGather(works, gathered, local_flat, rank, world, stream, Traffic(sent, sent))
+    return PendingGather(works, gathered, local_flat, staged, rank, world, stream, Traffic(sent, sent))
 
 
 def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int], pool: BufferPool) -> None:
@@ -159,6 +175,8 @@ def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numel
                     torch.split_with_sizes_copy(row, shard_numels, out=[out[r] for out in outs])
     compute_waits_for(pending.stream)
     pool.give(pending.gathered)
+    if pending.staged:
+        pool.give(pending.local_flat)
 
 
 def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], ranks: list[int], out: torch.Tensor) -> None:
@@ -202,7 +220,7 @@ class PendingReduce:
     shard: torch.Tensor  # [row_numel]
     stream: torch.cuda.Stream | None
     replicate_group: dist.ProcessGroup | None
-    dp_size: int
+    divide_after: int  # what the sum is still to be divided by
     traffic: list[tuple[str, Traffic]] = field(default_factory=list)
 
 
@@ -212,39 +230,44 @@ def reduce_scatter_grads(
     *,
     groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None],
     dp_size: int,
-    dtype: torch.dtype,
+    shard: torch.Tensor,
     pool: BufferPool,
 ) -> PendingReduce:
-    """Start summing the full gradients' rows over the shard group; each rank keeps its own.
+    """Start summing the full gradients' rows over the shard group into `shard`, this
+    rank's row ([grad_shard_numel + n_flags], of the reduce dtype, on the compute stream).
 
     `groups` is (shard group, replicate group). Across replicas (hybrid sharding) the row
     is then all-reduced, and all is divided by the data-parallel size (eq. 1 of the
-    paper) in `finish_reduce`. On gloo a rank's own row is packed straight into the
-    result, which then adds the peers' rows (Note [collective choice]).
+    paper): afterwards, or for fp16, whose sums would overflow sooner, before. On gloo a
+    rank's own row is packed straight into the result, which then adds the peers' rows
+    (Note [collective choice]).
     """
     shard_group, replicate_group = groups
-    device = next(g.device for g in grads if g is not None) if any(g is not None for g in grads) else None
-    device = device or torch.device("cpu")
+    dtype, device, row_numel = shard.dtype, shard.device, shard.numel()
     world, rank = (shard_group.size(), shard_group.rank()) if shard_group is not None else (1, 0)
-    row_numel = sum(shard_numels) + len(grads)
-    shard = torch.empty(row_numel, dtype=dtype, device=device)  # [row_numel], on the compute stream
     stream = side_stream(device, "reduce")
     works, sent, received, traffic = [], None, None, []
-    if shard_group is None:
-        pack_rows(grads, shard_numels, [0], shard.view(1, -1))  # one rank holds every row
-    elif uses_p2p(shard_group):
-        peers = [r for r in range(world) if r != rank]
-        sent = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
-        pack_rows(grads, shard_numels, peers, sent)
-        pack_rows(grads, shard_numels, [rank], shard.view(1, -1))
+    p2p = shard_group is not None and uses_p2p(shard_group)
+    peers = [r for r in range(world) if r != rank]
+    own = shard_group is None or p2p
+    if own:
+        pack_rows(grads, shard_numels, [rank], shard.view(1, -1))  # own row straight into the result
+    if shard_group is not None:
+        sent = pool.take((len(peers) if p2p else world, row_numel), dtype, device)  # [world (- 1), row_numel]
+        pack_rows(grads, shard_numels, peers if p2p else list(range(world)), sent)
+    divide_after = dp_size
+    if dtype == torch.float16 and dp_size > 1:
+        for rows in (sent, shard if own else None):
+            if rows is not None:
+                rows.div_(dp_size)
+        divide_after = 1
+    if p2p:
         received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
         works = [dist.isend(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=REDUCE_TAG)
                  for row, r in zip(sent, peers)]
         works += [dist.irecv(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=REDUCE_TAG)
                   for row, r in zip(received, peers)]
-    else:
-        sent = pool.take((world, row_numel), dtype, device)  # [world, row_numel]
-        pack_rows(grads, shard_numels, list(range(world)), sent)
+    elif shard_group is not None:
         wait_for_compute(stream)  # the gradients were packed on the compute stream
         with on(stream):
             works = [_reduce_scatter_single(shard, sent.view(-1), op=dist.ReduceOp.SUM, group=shard_group,
@@ -252,7 +275,7 @@ def reduce_scatter_grads(
     if shard_group is not None:
         nbytes = (world - 1) * row_numel * shard.element_size()
         traffic.append(("reduce_scatter", Traffic(nbytes, nbytes)))
-    return PendingReduce(works, sent, received, shard, stream, replicate_group, dp_size, traffic)
+    return PendingReduce(works, sent, received, shard, stream, replicate_group, divide_after, traffic)
 
 
 def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
@@ -269,8 +292,8 @@ def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
             dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=pending.replicate_group)
             nbytes = 2 * (replicas - 1) * shard.numel() * shard.element_size() // replicas
             pending.traffic.append(("all_reduce", Traffic(nbytes, nbytes)))
-        if pending.dp_size > 1:
-            shard.div_(pending.dp_size)
+        if pending.divide_after > 1:
+            shard.div_(pending.divide_after)
     compute_waits_for(pending.stream)
     for buffer in (pending.sent, pending.received):
         if buffer is not None:

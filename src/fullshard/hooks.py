@@ -36,7 +36,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable
@@ -75,17 +75,35 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """Apply `fn` to the tensors in nested tuples, lists and plain dicts, rebuilding them."""
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, *, output: bool = False) -> Any:
+    """Apply `fn` to the tensors in nested tuples, lists and plain dicts, rebuilding them.
+
+    For a module's `output`, which fullshard may change, also dataclasses (rebuilt) and
+    other mutable mappings (e.g. Hugging Face model outputs, updated in place).
+    """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if type(obj) in (tuple, list):
-        return type(obj)(map_tensors(fn, item) for item in obj)
+        return type(obj)(map_tensors(fn, item, output=output) for item in obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(fn, item) for item in obj))
+        return type(obj)(*(map_tensors(fn, item, output=output) for item in obj))
     if type(obj) is dict:
-        return {key: map_tensors(fn, value) for key, value in obj.items()}
+        return {key: map_tensors(fn, value, output=output) for key, value in obj.items()}
+    if output and isinstance(obj, MutableMapping):
+        for key, value in list(obj.items()):
+            obj[key] = map_tensors(fn, value, output=True)
+        return obj
+    if output and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name), output=True)
+                                           for f in dataclasses.fields(obj) if f.init})
     return obj
+
+
+def cast_floats(obj: Any, dtype: torch.dtype | None, *, output: bool = False) -> Any:
+    """`obj` with its floating-point tensors cast to `dtype` (mixed precision); as is for None."""
+    if dtype is None:
+        return obj
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj, output=output)
 
 
 @dataclass(frozen=True)
@@ -237,11 +255,12 @@ class UnitHooks:
                 hooks.unit.stats = ctx.stats
         return self.ctx
 
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.lazy_init()
+        args, kwargs = cast_floats((args, kwargs), self.unit.config.input_dtype)
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
             self.unit.wait_unshard()
-            return None
+            return args, kwargs
         if self.is_root:
             ctx.recover()
             ctx.start_forward()
@@ -251,32 +270,34 @@ class UnitHooks:
         ctx.prefetch_forward(self)
         self.unit.wait_unshard()
         if not torch.is_grad_enabled():
-            return None
+            return args, kwargs
         self.needs_reduce = True
         return self.attach_post_backward(args, kwargs)
 
-    def attach_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def attach_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         inputs: list[torch.Tensor] = []
         map_tensors(lambda t: inputs.append(t) if t.requires_grad else None, (args, kwargs))
         if not inputs:
-            return None
+            return args, kwargs
         outputs = iter(PostBackward.apply(self, *inputs))
         return map_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))
 
-    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        output = cast_floats(output, self.unit.config.output_dtype, output=True)
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
-            return
+            return output
         self.phase = Phase.IDLE
         if self.is_root:
             self.ctx.drop_unused_prefetches()
         if not torch.is_grad_enabled():
             self.unit.reshard()
-            return
+            return output
         if self.free_after_forward and not self.ctx.ran_last(self):  # Note [kept after forward]
             self.unit.reshard()
         for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(self.pre_backward)
+        return output
 
     def pre_backward(self, grad: torch.Tensor) -> None:
         self.ctx.queue_final_callback()

@@ -82,11 +82,11 @@ class ShardedParam:
         self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=original.requires_grad)
 
         # Note [stable full params]
+        self.padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
         if full_segment is None:
-            self.full_padded = segment  # one rank holds every row: full and shard are one tensor
+            self.full_padded = segment  # one rank holds every row, in the master dtype: full and shard are one
         else:
-            padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
-            self.full_padded = full_segment.view(padded_shape)  # [world * rows_per_shard, *shape[1:]]
+            self.full_padded = full_segment.view(self.padded_shape)  # [world * rows_per_shard, *shape[1:]]
         self.unsharded = nn.Parameter(alias(self.full_padded, self.shape), requires_grad=original.requires_grad)
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -109,6 +109,10 @@ class ShardedParam:
         for module, name in self.slots:
             module._parameters[name] = self.sharded
 
+    def unpad(self, full_padded: torch.Tensor) -> torch.Tensor:
+        """The parameter's own elements of a padded full tensor."""
+        return full_padded[0] if self.replicated else full_padded[: self.shape[0]]
+
     def write_back(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of an edited full value into the shard."""
         rows = full if self.replicated else full[self.first_row : self.first_row + self.local_shape[0]]
@@ -117,7 +121,7 @@ class ShardedParam:
 
     def accumulate_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced rows to the shard's gradient, creating it on first use."""
-        local_grad = local_grad.to(self.sharded.dtype)
+        local_grad = local_grad.to(self.local_shard().device, self.sharded.dtype)  # offload; master dtype
         if self.sharded.grad is None:
             self.sharded.grad = self.as_dtensor(local_grad)
         else:

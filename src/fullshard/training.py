@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -113,6 +114,9 @@ def full_params(
 ) -> Iterator[None]:
     """Make the model's parameters plain full tensors inside the context.
 
+    They are gathered unit by unit in the master dtype (whatever the mixed precision
+    policy), as new tensors: training state is untouched.
+
     Args:
         model: a sharded model, between training steps (every rank must call this).
         writeback: copy edits of the full parameters back into the shards on exit.
@@ -131,31 +135,55 @@ def full_params(
         raise fail("full_params was entered during a forward or backward",
                    "Use it between training steps.")
     visible = not rank0_only or dist.get_rank() == 0
-    shown: list[list[torch.Tensor]] = []
-    was_sharded = [unit.state is ShardState.SHARDED for unit in units]
-    for unit, sharded in zip(units, was_sharded):  # one unit at a time: offloading bounds device memory
-        unit.unshard()
-        unit.wait_unshard()
-        offload = visible and offload_to_cpu and unit.local_flat.device.type != "cpu"
-        fulls = [p.unsharded for p in unit.params] if visible else []
-        if offload:
-            fulls = [nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad) for full in fulls]
-        if sharded and (offload or not visible):
-            unit.reshard()  # the gathered copy is not what the user sees: free it now
-        for p, full in zip(unit.params, fulls):
-            for module, name in p.slots:
-                module._parameters[name] = full
-        shown.append(fulls)
+    shown: list[list[nn.Parameter]] = []
+    for unit in units:  # one unit at a time, so offloading bounds device memory
+        fulls = unit.gather_masters()
+        if visible:
+            fulls = [nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=p.sharded.requires_grad)
+                     for p, full in zip(unit.params, fulls)]
+            for p, full in zip(unit.params, fulls):
+                for module, name in p.slots:
+                    module._parameters[name] = full
+        shown.append(fulls if visible else [])
     try:
         yield
     finally:
-        for unit, fulls, sharded in zip(units, shown, was_sharded):
+        for unit, fulls in zip(units, shown):
             for p, full in zip(unit.params, fulls):
                 if writeback:
                     p.write_back(full)
-                if unit.state is ShardState.SHARDED:
-                    p.to_sharded()
-                else:
+                p.to_sharded()
+            if writeback:
+                unit.reshard()  # a unit kept full would compute with the old values
+            elif unit.state is ShardState.FULL:
+                for p in unit.params:
                     p.to_full()
-            if sharded:
-                unit.reshard()
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for sharded gradients (fp16 training); a drop-in.
+
+    Each rank unscales and checks its own shards; then the ranks agree, so an inf or NaN
+    on any rank skips the step and lowers the scale on every rank, and the ranks' shards
+    and scales never drift apart. Construct it like torch's, e.g. ``GradScaler("cuda")``.
+    """
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                grads[(grad.device, grad.dtype)].append(grad)
+        with torch.no_grad():
+            for (device, _), tensors in grads.items():
+                found = found_inf.to(device)  # found_inf itself when on `device`
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(device))
+                if found is not found_inf:
+                    found_inf.add_(found.to(found_inf.device))
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return {found_inf.device: found_inf}

@@ -39,6 +39,12 @@ class UnitConfig:
     """Options resolved once at fully_shard time; the hot path reads only these."""
 
     free_after_forward: bool
+    param_dtype: torch.dtype | None = None  # of the full parameters (gather and compute); None: the master's
+    reduce_dtype: torch.dtype | None = None  # of the gradient reduction; None: param_dtype's
+    input_dtype: torch.dtype | None = None  # floating forward inputs are cast to it
+    output_dtype: torch.dtype | None = None  # floating forward outputs are cast to it
+    offload: bool = False  # shards and their gradients live on the CPU
+    pin_memory: bool = False
 
 
 @dataclass
@@ -61,12 +67,20 @@ class Unit:
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
         self.shard_numels = [shard_numel(o.param.shape, group.world) for o in owned]
-        dtype = owned[0].param.dtype if owned else torch.float32
-        device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
-        self.local_flat = torch.zeros(sum(self.shard_numels), dtype=dtype, device=device)  # [unit_shard_numel]
-        # Note [stable full params]: one storage for every full parameter of the unit
-        self.full_flat = None if group.shard_pg is None else self.local_flat.new_empty(
-            group.world * self.local_flat.numel())  # [world * unit_shard_numel], per-parameter blocks
+        master_dtype = owned[0].param.dtype if owned else torch.float32
+        meta = any(o.param.is_meta for o in owned)
+        self.compute_device = torch.device("meta") if meta else group.device
+        shard_device = torch.device("cpu") if config.offload and not meta else self.compute_device
+        self.compute_dtype = config.param_dtype or master_dtype
+        self.reduce_dtype = config.reduce_dtype or self.compute_dtype
+        pin = config.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
+        self.local_flat = torch.zeros(sum(self.shard_numels), dtype=master_dtype, device=shard_device,
+                                      pin_memory=pin)  # [unit_shard_numel], the masters
+        # Note [stable full params]: one storage for every full parameter of the unit;
+        # none when they can be the shards themselves (one rank, same dtype and device)
+        same = group.shard_pg is None and self.compute_dtype == master_dtype and shard_device == self.compute_device
+        self.full_flat = None if same else torch.empty(group.world * self.local_flat.numel(), dtype=self.compute_dtype,
+                                                       device=self.compute_device)  # per-parameter blocks
         self.params: list[ShardedParam] = []
         offset = 0
         for o, numel in zip(owned, self.shard_numels):
@@ -96,8 +110,10 @@ class Unit:
         with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
             self.stats.full_params(self.full_bytes)
-            self.pending = gather_full(self.local_flat, group=self.group.shard_pg, pool=self.pool)
-        self.stats.count(self.fqn, "gather", self.pending.traffic.logical, self.pending.traffic.wire)
+            self.pending = gather_full(self.local_flat, group=self.group.shard_pg, dtype=self.compute_dtype,
+                                       device=self.compute_device, pool=self.pool)
+        if self.group.shard_pg is not None:
+            self.stats.count(self.fqn, "gather", self.pending.traffic.logical, self.pending.traffic.wire)
 
     def wait_unshard(self) -> None:
         """Finish the gather and register the full parameters on the modules."""
@@ -110,10 +126,11 @@ class Unit:
                 finish_gather(self.pending, [p.full_padded for p in self.params], self.shard_numels, self.pool)
             self.stats.wait_s += time.perf_counter() - start
             self.pending = None
-            with torch.no_grad():
-                for p in self.params:
-                    if p.replicated:  # keep every rank's copy equal to the one used, Note [shard layout]
-                        p.local_shard().copy_(p.unsharded)
+            if self.compute_dtype == self.local_flat.dtype:
+                with torch.no_grad():
+                    for p in self.params:
+                        if p.replicated:  # keep every rank's copy equal to the one used, Note [shard layout]
+                            p.local_shard().copy_(p.unsharded)
         for p in self.params:
             p.to_full()
         self.state = ShardState.FULL
@@ -132,6 +149,16 @@ class Unit:
             self.full_flat.untyped_storage().resize_(0)
             self.stats.full_params(-self.full_bytes)
         self.state = ShardState.SHARDED
+
+    def gather_masters(self) -> list[torch.Tensor]:
+        """The full parameters in the master dtype, gathered into new tensors on the compute
+        device (to read or edit whole weights; the unit's own state does not change)."""
+        fulls = [torch.empty(p.padded_shape, dtype=self.local_flat.dtype, device=self.compute_device)
+                 for p in self.params]
+        pending = gather_full(self.local_flat, group=self.group.shard_pg, dtype=self.local_flat.dtype,
+                              device=self.compute_device, pool=self.pool)
+        finish_gather(pending, fulls, self.shard_numels, self.pool)
+        return [p.unpad(full) for p, full in zip(self.params, fulls)]
 
     # ---- gradients ----------------------------------------------------------------
 
@@ -166,9 +193,11 @@ class Unit:
         numels = [p.shard_numel for p in grad_params]
         full_grads = [p.unsharded.grad for p in grad_params]
         self.count_full_grads()
+        shard = torch.empty(sum(numels) + len(numels), dtype=self.reduce_dtype,
+                            device=self.compute_device)  # [grad_shard_numel + n_flags]
         with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
             pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, group.replicate_pg),
-                                           dp_size=group.dp_size, dtype=grad_params[0].sharded.dtype, pool=self.pool)
+                                           dp_size=group.dp_size, shard=shard, pool=self.pool)
             for p in grad_params:
                 p.unsharded.grad = None
             del full_grads

@@ -6,6 +6,8 @@ fully_shard arguments (policy.STRATEGIES), and calls fully_shard bottom-up.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, Iterable
 
 from torch import nn
@@ -97,9 +99,11 @@ def shard_model(
     schedule = Schedule(prefetch_before_backward=backward_prefetch == "pre",
                         prefetch_after_backward=backward_prefetch == "post",
                         forward_prefetch=bool(forward_prefetch), limit=limit_all_gathers)
+    inner_mp = None if mp_policy is None else dataclasses.replace(mp_policy, output_dtype=None)
     for module, exclude in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=spec["reshard_after_forward"],
-                    mp_policy=mp_policy, offload_policy=offload_policy, _exclude=exclude, _schedule=schedule)
+                    mp_policy=mp_policy if module is model else inner_mp,  # output_dtype: the root's output only
+                    offload_policy=offload_policy, _exclude=exclude, _schedule=schedule)
     return model
 
 
