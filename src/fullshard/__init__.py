@@ -3,6 +3,7 @@
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard
 from fullshard.errors import FullShardError
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.state_dict import init_weights_from
 from fullshard.stats import Stats
 from fullshard.training import GradScaler, clip_grad_norm_, full_params, no_sync, stats
 from fullshard.wrap import shard_model
@@ -18,6 +19,7 @@ __all__ = [
     "clip_grad_norm_",
     "full_params",
     "fully_shard",
+    "init_weights_from",
     "no_sync",
     "shard_model",
     "stats",

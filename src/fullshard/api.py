@@ -99,6 +99,18 @@ class FSDPModule:
         modules = self.modules() if recurse else [self]
         return [hooks.unit for m in modules if (hooks := unit_hooks(m)) is not None]
 
+    def _apply(self, fn, recurse: bool = True) -> nn.Module:
+        """Module.to_empty / .to moved the shards off the unit's storage: move the unit after them
+        (a meta-built unit gets real storage here, which the user's init then fills)."""
+        module = super()._apply(fn, recurse)
+        unit = self._unit()
+        if unit.params:
+            local = unit.params[0].local_shard()
+            if local.device.type != "meta" and local.untyped_storage().data_ptr() != \
+                    unit.local_flat.untyped_storage().data_ptr():
+                unit.materialize(unit.group.device if unit.config.offload else local.device)
+        return module
+
     def __deepcopy__(self, memo: dict) -> None:
         raise fail(
             f"a sharded {type(self).__name__} cannot be deep-copied: each rank holds only its shard",

@@ -76,18 +76,32 @@ class ShardedParam:
         self.first_row = first_row
         self.shard_numel = segment.numel()  # [rows_per_shard * row_numel], see Note [shard layout]
         self.local_shape = torch.Size((local_rows, *self.shape[1:])) if not self.replicated else self.shape
-        local = segment[: self.local_shape.numel()].view(self.local_shape)
+        self.padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
+        local = self.bind(segment, full_segment, original.requires_grad)
         with torch.no_grad():
             local.copy_(original if self.replicated else original[first_row : first_row + local_rows])
         self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=original.requires_grad)
 
+    def bind(self, segment: torch.Tensor, full_segment: torch.Tensor | None, requires_grad: bool) -> torch.Tensor:
+        """Lay this parameter over the unit's storage; return its local rows in `segment`."""
         # Note [stable full params]
-        self.padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
         if full_segment is None:
             self.full_padded = segment  # one rank holds every row, in the master dtype: full and shard are one
         else:
             self.full_padded = full_segment.view(self.padded_shape)  # [world * rows_per_shard, *shape[1:]]
-        self.unsharded = nn.Parameter(alias(self.full_padded, self.shape), requires_grad=original.requires_grad)
+        self.unsharded = nn.Parameter(alias(self.full_padded, self.shape), requires_grad=requires_grad)
+        return segment[: self.local_shape.numel()].view(self.local_shape)
+
+    def rebind(self, segment: torch.Tensor, full_segment: torch.Tensor | None) -> None:
+        """Move onto new storage (deferred init, Module.to_empty), keeping the values the shard
+        has (none on meta) and the Parameter object the user and optimizer hold."""
+        values = self.local_shard()
+        local = self.bind(segment, full_segment, self.sharded.requires_grad)
+        if not values.is_meta:
+            with torch.no_grad():
+                local.copy_(values)
+        torch.utils.swap_tensors(self.sharded, nn.Parameter(self.as_dtensor(local),
+                                                            requires_grad=self.sharded.requires_grad))
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's rows (of the parameter or of its gradient) as a DTensor."""

@@ -67,31 +67,13 @@ class Unit:
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
         self.shard_numels = [shard_numel(o.param.shape, group.world) for o in owned]
-        master_dtype = owned[0].param.dtype if owned else torch.float32
-        meta = any(o.param.is_meta for o in owned)
-        self.compute_device = torch.device("meta") if meta else group.device
-        shard_device = torch.device("cpu") if config.offload and not meta else self.compute_device
-        self.compute_dtype = config.param_dtype or master_dtype
+        self.master_dtype = owned[0].param.dtype if owned else torch.float32
+        self.compute_dtype = config.param_dtype or self.master_dtype
         self.reduce_dtype = config.reduce_dtype or self.compute_dtype
-        pin = config.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
-        self.local_flat = torch.zeros(sum(self.shard_numels), dtype=master_dtype, device=shard_device,
-                                      pin_memory=pin)  # [unit_shard_numel], the masters
-        # Note [stable full params]: one storage for every full parameter of the unit;
-        # none when they can be the shards themselves (one rank, same dtype and device)
-        same = group.shard_pg is None and self.compute_dtype == master_dtype and shard_device == self.compute_device
-        self.full_flat = None if same else torch.empty(group.world * self.local_flat.numel(), dtype=self.compute_dtype,
-                                                       device=self.compute_device)  # per-parameter blocks
-        self.params: list[ShardedParam] = []
-        offset = 0
-        for o, numel in zip(owned, self.shard_numels):
-            segment = self.local_flat[offset : offset + numel]
-            full_segment = None if self.full_flat is None else \
-                self.full_flat[group.world * offset : group.world * (offset + numel)]
-            self.params.append(ShardedParam(o.param, o.slots, o.fqn, group, segment, full_segment))
-            offset += numel
-        self.full_bytes = 0 if self.full_flat is None else self.full_flat.untyped_storage().nbytes()
-        if self.full_flat is not None:
-            self.full_flat.untyped_storage().resize_(0)
+        self.compute_device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
+        segments = self.allocate()
+        self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment) for o, segment in zip(owned, segments)]
+        self.release_storage()
         for p in self.params:
             p.to_sharded()
         self.state = ShardState.SHARDED
@@ -100,6 +82,44 @@ class Unit:
         self.sync_grads = True
         self.reshard_after_backward = True
         self.counted_grad_bytes = 0  # full gradient bytes already in stats.full_grad_bytes
+
+    # ---- storage -----------------------------------------------------------------
+
+    def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """New flat storage for the shards (the masters) and the full parameters; returns
+        each parameter's (shard segment, full segment)."""
+        group, config = self.group, self.config
+        meta = self.compute_device.type == "meta"
+        shard_device = torch.device("cpu") if config.offload and not meta else self.compute_device
+        pin = config.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
+        self.local_flat = torch.zeros(sum(self.shard_numels), dtype=self.master_dtype, device=shard_device,
+                                      pin_memory=pin)  # [unit_shard_numel]
+        # Note [stable full params]: one storage for every full parameter of the unit;
+        # none when they can be the shards themselves (one rank, same dtype and device)
+        same = (group.shard_pg is None and self.compute_dtype == self.master_dtype
+                and shard_device == self.compute_device)
+        self.full_flat = None if same else torch.empty(group.world * self.local_flat.numel(), dtype=self.compute_dtype,
+                                                       device=self.compute_device)  # per-parameter blocks
+        self.full_bytes = 0 if same else self.full_flat.untyped_storage().nbytes()
+        segments, offset = [], 0
+        for numel in self.shard_numels:
+            full = None if same else self.full_flat[group.world * offset : group.world * (offset + numel)]
+            segments.append((self.local_flat[offset : offset + numel], full))
+            offset += numel
+        return segments
+
+    def release_storage(self) -> None:
+        if self.full_flat is not None:
+            self.full_flat.untyped_storage().resize_(0)
+
+    def materialize(self, device: torch.device) -> None:
+        """Give a unit built on the meta device (or whose parameters Module.to_empty or .to
+        moved) real storage: the shards keep the values they hold now, none for meta."""
+        assert self.state is ShardState.SHARDED, f"materialize() in state {self.state.name}"
+        self.compute_device = device
+        for p, segment in zip(self.params, self.allocate()):
+            p.rebind(*segment)
+        self.release_storage()
 
     # ---- all-gather -------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fullshard.api import FSDPModule, fully_shard
 from fullshard.errors import fail
 from fullshard.hooks import Schedule
+from fullshard.materialize import check_initializable, has_meta, materialize, sync_eager
 from fullshard.mesh import build_mesh, mesh_roles
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -63,12 +64,17 @@ def shard_model(
         backward_prefetch: ``"pre"``, ``"post"`` or ``None``.
         forward_prefetch: prefetch the next unit in the recorded forward order.
         limit_all_gathers: at most this many units gathered ahead of use; ``None``: no limit.
-        param_init_fn: initializes a meta-device module as it is materialized.
-        sync_module_states: make rank 0's parameters and buffers win.
+        param_init_fn: for a model built on the meta device: ``fn(module)`` initializes, in
+            place, the parameters and buffers the module owns directly; called for each such
+            module in ``named_modules()`` order (default: ``module.reset_parameters()``). Each
+            module is materialized, initialized and streamed into the shards in turn, so a
+            rank never holds more than one module's full parameters beyond its shards.
+        sync_module_states: make rank 0's parameters and buffers win (eager or meta).
 
     Raises:
         FullShardError: before anything changes, on an unknown strategy or wrap policy,
-            a mesh that does not fit the strategy, or a model that is already sharded.
+            a mesh that does not fit the strategy, a model that is already sharded, or meta
+            tensors that nothing would initialize (after initialization: any left unset).
     """
     if strategy not in STRATEGIES:
         raise fail(f"unknown strategy {strategy!r}", f"Use one of {', '.join(map(repr, STRATEGIES))}.")
@@ -89,13 +95,18 @@ def shard_model(
     if already:
         raise fail(f"the model is already sharded (units at {already})",
                    "Call shard_model once, on a model that has not been passed to fully_shard.")
-    if param_init_fn is not None or sync_module_states or any(p.is_meta for p in model.parameters()):
-        raise fail("deferred initialization (meta-device models, param_init_fn, sync_module_states) "
-                   "is not implemented yet (issue #5)",
-                   "Build the model on a real device and seed every rank the same for now.")
+    meta = has_meta(model)
+    if param_init_fn is not None and not meta:
+        raise fail("param_init_fn was given but the model has no meta-device tensors to initialize",
+                   "Build the model under `with torch.device('meta'):` to defer its initialization, or drop "
+                   "param_init_fn.")
+    if meta:
+        check_initializable(model, param_init_fn)
     units = choose_units(model, wrap)
     if mesh is None:
         mesh = build_mesh(spec["mesh_dims"])
+    if sync_module_states and not meta:
+        sync_eager(model)
     schedule = Schedule(prefetch_before_backward=backward_prefetch == "pre",
                         prefetch_after_backward=backward_prefetch == "post",
                         forward_prefetch=bool(forward_prefetch), limit=limit_all_gathers)
@@ -104,6 +115,8 @@ def shard_model(
         fully_shard(module, mesh=mesh, reshard_after_forward=spec["reshard_after_forward"],
                     mp_policy=mp_policy if module is model else inner_mp,  # output_dtype: the root's output only
                     offload_policy=offload_policy, _exclude=exclude, _schedule=schedule)
+    if meta:
+        materialize(model, init_fn=param_init_fn, sync=sync_module_states)
     return model
 
 
