@@ -64,6 +64,23 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.sync_grads = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Hybrid sharding: keep reducing inside the shard group but skip the all-reduce across
+        replicas (``False``), e.g. for all but the last micro-batch of an accumulation.
+
+        Gradients stay sharded and reduced within the group; the first backward with the
+        switch back on all-reduces everything accumulated since, in one collective. This
+        saves the cross-node traffic of accumulation at no extra memory, unlike
+        ``set_requires_gradient_sync(False)``, which skips all reduction but holds full
+        gradients.
+
+        Args:
+            requires_all_reduce: ``False`` skips the cross-replica all-reduce.
+            recurse: apply to every unit in this module's subtree.
+        """
+        for unit in self._units(recurse):
+            unit.all_reduce_grads = requires_all_reduce
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the full parameters after backward (``False``), e.g. between accumulation steps.
 
@@ -213,8 +230,10 @@ def fully_shard(
             (dims named ``("replicate",)`` replicate instead of sharding); or a 2-D mesh with
             dims ``("replicate", "shard")`` for hybrid sharding.
         reshard_after_forward: ``True`` frees the full parameters after forward and gathers
-            them again for backward; ``False`` keeps them until the end of backward. A
-            forward without autograd (``torch.no_grad()``) always frees them.
+            them again for backward; ``False`` keeps them until the end of backward; an
+            ``int`` k keeps 1/k of them, so the gather before backward stays inside groups
+            of k consecutive ranks (e.g. a node). A forward without autograd
+            (``torch.no_grad()``) always frees them.
         mp_policy: a :class:`MixedPrecisionPolicy`.
         offload_policy: a :class:`CPUOffloadPolicy`.
 
@@ -226,9 +245,10 @@ def fully_shard(
     if isinstance(module, FSDPModule):
         raise fail(f"this {type(module).__name__} is already sharded",
                    "Call fully_shard once per module, inner modules first and the root last.")
-    if type(reshard_after_forward) is not bool:
-        raise fail(f"reshard_after_forward={reshard_after_forward!r} is not supported",
-                   "Pass True (free after forward) or False (keep until after backward).")
+    if type(reshard_after_forward) not in (bool, int):
+        raise fail(f"reshard_after_forward={reshard_after_forward!r} is not a bool or an int",
+                   "Pass True (free after forward), False (keep until after backward) or an int k (keep "
+                   "1/k after forward, gathered in backward inside groups of k ranks).")
     for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
                                ("offload_policy", offload_policy, CPUOffloadPolicy)):
         if policy is not None and not isinstance(policy, kind):
@@ -237,9 +257,18 @@ def fully_shard(
     owned = owned_params(module, _exclude)
     check_owned(module, owned)
     group = shard_group(mesh)
+    post_forward_world = 1
+    if type(reshard_after_forward) is int:
+        k = reshard_after_forward
+        if not 1 <= k <= group.world or group.world % k:
+            raise fail(f"reshard_after_forward={k} does not divide the {group.world} ranks parameters are "
+                       f"sharded over", f"Pass a divisor of {group.world}, e.g. the ranks per node.")
+        post_forward_world = 1 if k == group.world else k  # k = world is True; k = 1 keeps everything
+        reshard_after_forward = k > 1
     mp = mp_policy or MixedPrecisionPolicy()
     config = UnitConfig(
         free_after_forward=reshard_after_forward,
+        post_forward_world=post_forward_world,
         param_dtype=mp.param_dtype,
         reduce_dtype=mp.reduce_dtype or mp.param_dtype,
         input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,

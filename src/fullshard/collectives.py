@@ -299,3 +299,13 @@ def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
         if buffer is not None:
             pool.give(buffer)
     return shard
+
+
+def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup) -> Traffic:
+    """Sum `tensors` in place over `group`, packed into one all-reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    torch.split_with_sizes_copy(flat, [t.numel() for t in tensors], out=[t.view(-1) for t in tensors])
+    size = group.size()
+    nbytes = 2 * (size - 1) * flat.numel() * flat.element_size() // size
+    return Traffic(nbytes, nbytes)

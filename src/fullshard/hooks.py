@@ -149,6 +149,8 @@ class RootContext:
     def start_forward(self) -> None:
         if self.order:
             self.last_order, self.order = self.order, []
+        for hooks in self.units:  # a forward without backward left them; the shards may have changed since
+            hooks.unit.drop_small()
 
     def record(self, hooks: UnitHooks) -> None:
         if hooks.ahead_of_use:
@@ -293,7 +295,7 @@ class UnitHooks:
             self.unit.reshard()
             return output
         if self.free_after_forward and not self.ctx.ran_last(self):  # Note [kept after forward]
-            self.unit.reshard()
+            self.unit.free_after_forward()
         for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(self.pre_backward)

@@ -37,6 +37,25 @@ class ShardGroup:
         return self.world * self.replicas
 
 
+_subgroups: dict[tuple[tuple[int, ...], ...], dict[int, dist.ProcessGroup]] = {}
+
+
+def smaller_group(group: ShardGroup, size: int) -> dist.ProcessGroup | None:
+    """This rank's group of `size` consecutive ranks of its shard group (reshard_after_forward
+    as an int: within a node when `size` is the ranks per node); None for size 1.
+
+    Every rank creates every such group of the mesh, as torch.distributed requires, once
+    per process.
+    """
+    if size == 1:
+        return None
+    rows = group.mesh.mesh.reshape(-1, group.world).tolist()  # each row: one shard group's global ranks
+    blocks = tuple(tuple(row[i : i + size]) for row in rows for i in range(0, group.world, size))
+    if blocks not in _subgroups:
+        _subgroups[blocks] = {rank: pg for ranks in blocks for pg in [dist.new_group(list(ranks))] for rank in ranks}
+    return _subgroups[blocks].get(dist.get_rank())
+
+
 def default_device_type() -> str:
     """GPU when the process group speaks NCCL and a GPU is present, else CPU."""
     backend = str(dist.get_backend())

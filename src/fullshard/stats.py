@@ -35,6 +35,17 @@ class Stats:
     per_unit: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
 
     @property
+    def intra_group_bytes(self) -> int:
+        """Logical bytes inside the shard group (gathers and reduce-scatters): within a node
+        under hybrid sharding."""
+        return self.gather_bytes + self.reduce_scatter_bytes
+
+    @property
+    def cross_group_bytes(self) -> int:
+        """Logical bytes across replicas (hybrid sharding's all-reduce): the cross-node traffic."""
+        return self.all_reduce_bytes
+
+    @property
     def sent_bytes(self) -> int:
         """Everything this rank put on the wire."""
         return self.gather_wire_bytes + self.reduce_scatter_wire_bytes + self.all_reduce_wire_bytes

@@ -8,6 +8,13 @@ A training step moves every unit through the same cycle (hooks.py decides when):
     FULL    --reduce_grads()--> reducing, reshard()-->   SHARDED  after the unit's backward
     reducing --finish_reduce()--> gradients on the shards          a little later
 
+# Note [smaller world after forward]: with reshard_after_forward=k (an int), freeing after
+# forward first keeps this rank's 1/k of the full parameters: the shards of a block of
+# world/k ranks. Its group of k consecutive ranks (mesh.smaller_group) then holds every
+# row, so the gather before backward runs inside that group (within a node when k is
+# the ranks per node), with the same code as a normal gather over k ranks whose shards
+# are world/k times longer. The copy is dropped once used, or at the next forward.
+
 Between steps every unit is SHARDED with no collective in flight: the modules hold
 the DTensor shards, which is all the optimizer sees. While FULL, the modules hold
 plain full parameters, views of one storage per unit that exists only while needed.
@@ -22,9 +29,9 @@ from enum import Enum, auto
 import torch
 from torch import nn
 
-from fullshard.collectives import (BufferPool, PendingGather, PendingReduce, finish_gather, finish_reduce,
-                                   gather_full, reduce_scatter_grads)
-from fullshard.mesh import ShardGroup
+from fullshard.collectives import (BufferPool, PendingGather, PendingReduce, all_reduce_tensors, finish_gather,
+                                   finish_reduce, gather_full, reduce_scatter_grads)
+from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.param import ShardedParam, shard_numel
 from fullshard.stats import Stats
 
@@ -39,6 +46,7 @@ class UnitConfig:
     """Options resolved once at fully_shard time; the hot path reads only these."""
 
     free_after_forward: bool
+    post_forward_world: int = 1  # >1: after forward keep 1/this of the unit, Note [smaller world after forward]
     param_dtype: torch.dtype | None = None  # of the full parameters (gather and compute); None: the master's
     reduce_dtype: torch.dtype | None = None  # of the gradient reduction; None: param_dtype's
     input_dtype: torch.dtype | None = None  # floating forward inputs are cast to it
@@ -79,7 +87,12 @@ class Unit:
         self.state = ShardState.SHARDED
         self.pending: PendingGather | None = None
         self.pending_reduce: tuple[list[ShardedParam], list[int], PendingReduce] | None = None
+        self.small_group = smaller_group(group, config.post_forward_world) if self.full_flat is not None else None
+        self.small: torch.Tensor | None = None  # Note [smaller world after forward]
+        self.gathering_small = False
         self.sync_grads = True
+        self.all_reduce_grads = True  # across replicas; off: reduce within the group only, owe the rest
+        self.owes_all_reduce = False
         self.reshard_after_backward = True
         self.counted_grad_bytes = 0  # full gradient bytes already in stats.full_grad_bytes
 
@@ -127,12 +140,14 @@ class Unit:
         """Start gathering the full parameters; a no-op when full or already gathering."""
         if self.state is ShardState.FULL or self.pending is not None or self.full_flat is None:
             return
+        self.gathering_small = self.small is not None
+        source, group = (self.small, self.small_group) if self.gathering_small else (self.local_flat, self.group.shard_pg)
         with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
             self.stats.full_params(self.full_bytes)
-            self.pending = gather_full(self.local_flat, group=self.group.shard_pg, dtype=self.compute_dtype,
+            self.pending = gather_full(source, group=group, dtype=self.compute_dtype,
                                        device=self.compute_device, pool=self.pool)
-        if self.group.shard_pg is not None:
+        if group is not None:
             self.stats.count(self.fqn, "gather", self.pending.traffic.logical, self.pending.traffic.wire)
 
     def wait_unshard(self) -> None:
@@ -143,9 +158,11 @@ class Unit:
             self.unshard()
             start = time.perf_counter()
             with torch.profiler.record_function(f"fullshard::wait gather {self.fqn}"):
-                finish_gather(self.pending, [p.full_padded for p in self.params], self.shard_numels, self.pool)
+                finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool)
             self.stats.wait_s += time.perf_counter() - start
             self.pending = None
+            if self.gathering_small:
+                self.drop_small()
             if self.compute_dtype == self.local_flat.dtype:
                 with torch.no_grad():
                     for p in self.params:
@@ -155,12 +172,36 @@ class Unit:
             p.to_full()
         self.state = ShardState.FULL
 
-    def reshard(self) -> None:
+    def gathered_numels(self) -> list[int]:
+        """Elements each rank of the gathering group holds per parameter."""
+        longer = self.group.world // self.config.post_forward_world if self.gathering_small else 1
+        return [longer * numel for numel in self.shard_numels]
+
+    def free_after_forward(self) -> None:
+        """reshard() after forward, keeping this rank's 1/k first (Note [smaller world after forward])."""
+        if self.small_group is not None and self.state is ShardState.FULL:
+            block = self.group.world // self.config.post_forward_world  # ranks whose shards this rank keeps
+            first = self.small_group.rank() * block
+            self.small = torch.cat([p.full_padded.view(self.group.world, -1)[first : first + block].reshape(-1)
+                                    for p in self.params])  # [block * unit_shard_numel]
+            self.stats.full_params(self.small.nbytes)
+        self.reshard(keep_small=True)
+
+    def drop_small(self) -> None:
+        if self.small is not None:
+            self.stats.full_params(-self.small.nbytes)
+            self.small = None
+
+    def reshard(self, keep_small: bool = False) -> None:
         """Drop the full parameters and put the shards back on the modules; a no-op when sharded."""
+        if not keep_small:
+            self.drop_small()
         if self.pending is not None:  # a prefetch nobody used: finish it, then drop it
-            finish_gather(self.pending, [p.full_padded for p in self.params], self.shard_numels, self.pool)
+            finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool)
             self.pending = None
             self.state = ShardState.FULL
+            if self.gathering_small:
+                self.drop_small()
         if self.state is ShardState.SHARDED:
             return
         for p in self.params:
@@ -215,8 +256,9 @@ class Unit:
         self.count_full_grads()
         shard = torch.empty(sum(numels) + len(numels), dtype=self.reduce_dtype,
                             device=self.compute_device)  # [grad_shard_numel + n_flags]
+        replicate = group.replicate_pg if self.all_reduce_grads and not self.owes_all_reduce else None
         with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
-            pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, group.replicate_pg),
+            pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, replicate),
                                            dp_size=group.dp_size, shard=shard, pool=self.pool)
             for p in grad_params:
                 p.unsharded.grad = None
@@ -245,3 +287,20 @@ class Unit:
             if flag:
                 p.accumulate_grad(shard[offset : offset + p.local_shape.numel()].view(p.local_shape))
             offset += numel
+        if self.group.replicate_pg is not None:
+            self.settle_all_reduce(grad_params)
+
+    def settle_all_reduce(self, grad_params: list[ShardedParam]) -> None:
+        """With the all-reduce across replicas off, owe it; once back on, pay it on the
+        gradients accumulated since (all of them in one all-reduce)."""
+        if not self.all_reduce_grads:
+            self.owes_all_reduce = True
+            return
+        if not self.owes_all_reduce:
+            return
+        self.owes_all_reduce = False
+        for p in grad_params:  # every replica sends the same layout; a missing gradient is zero
+            if p.sharded.grad is None:
+                p.accumulate_grad(torch.zeros(p.local_shape, dtype=p.sharded.dtype, device=self.local_flat.device))
+        traffic = all_reduce_tensors([p.sharded.grad.to_local() for p in grad_params], group=self.group.replicate_pg)
+        self.stats.count(self.fqn, "all_reduce", traffic.logical, traffic.wire)
