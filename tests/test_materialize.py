@@ -133,7 +133,7 @@ def bad_state_dict_job() -> str:
 def test_init_weights_from_lists_every_mismatch(world2):
     for message in world2.run(bad_state_dict_job):
         assert "missing: ['wpe.weight']" in message and "unexpected: ['extra.weight']" in message
-        assert "ln_f.bias: checkpoint (7,), model (30,)" in message
+        assert "ln_f.bias: state dict (7,), model (30,)" in message
 
 
 def to_empty_job() -> dict:

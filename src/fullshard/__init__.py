@@ -3,7 +3,8 @@
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard
 from fullshard.errors import FullShardError
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
-from fullshard.state_dict import init_weights_from
+from fullshard.state_dict import (checkpoint_dir, export, get_state_dict, init_weights_from, load, save,
+                                  set_state_dict)
 from fullshard.stats import Stats
 from fullshard.training import GradScaler, clip_grad_norm_, full_params, no_sync, stats
 from fullshard.wrap import shard_model
@@ -16,11 +17,17 @@ __all__ = [
     "MixedPrecisionPolicy",
     "Stats",
     "UnshardHandle",
+    "checkpoint_dir",
     "clip_grad_norm_",
+    "export",
     "full_params",
     "fully_shard",
+    "get_state_dict",
     "init_weights_from",
+    "load",
     "no_sync",
+    "save",
+    "set_state_dict",
     "shard_model",
     "stats",
 ]

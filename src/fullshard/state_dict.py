@@ -1,24 +1,48 @@
-"""State dicts of sharded models under the unwrapped model's names."""
+"""State dicts and checkpoints of sharded models, under the unwrapped model's names.
+
+# Note [checkpoint layout]: save(path) writes a new version directory path/v-<token>/: a
+# torch.distributed.checkpoint (DCP) directory holding the model's and the optimizer's
+# tensors (optimizer state in torch's name-keyed layout, so PyTorch's own FSDP loads it
+# with dcp.load), fullshard.json (step, extra) and, written last, COMPLETE. Then rank 0
+# atomically replaces path/LATEST, a one-line file naming the version. A crash at any
+# point leaves LATEST naming a complete version; older versions are removed after the
+# switch. load(path) reads the version LATEST names, or a plain DCP directory (e.g.
+# written by PyTorch's FSDP). Nothing is unpickled but DCP's metadata and, with
+# weights_only=True, its non-tensor items (optimizer hyperparameters).
+"""
 
 from __future__ import annotations
 
-from typing import Mapping
+import json
+import os
+import secrets
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.tensor import DTensor
 
 from fullshard.errors import fail
 from fullshard.hooks import unit_hooks
 from fullshard.param import ShardedParam
 from fullshard.training import units_of
 
+Entry = ShardedParam | tuple[nn.Module, str]
+LATEST, COMPLETE, META = "LATEST", "COMPLETE", "fullshard.json"
 
-def state_entries(model: nn.Module) -> dict[str, ShardedParam | tuple[nn.Module, str]]:
+
+def state_entries(model: nn.Module) -> dict[str, Entry]:
     """Every name of `model.state_dict()` (the unwrapped model's), with what it names: a
     sharded parameter, or (module, name) of a persistent buffer or unmanaged parameter.
     Tied parameters appear under each of their names."""
     sharded = {p.sharded: p for m in model.modules() if (hooks := unit_hooks(m)) is not None for p in hooks.unit.params}
-    entries: dict[str, ShardedParam | tuple[nn.Module, str]] = {}
+    entries: dict[str, Entry] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for key, param in module._parameters.items():
@@ -30,27 +54,199 @@ def state_entries(model: nn.Module) -> dict[str, ShardedParam | tuple[nn.Module,
     return entries
 
 
-def check_names_and_shapes(entries: dict[str, object], state_dict: Mapping[str, torch.Tensor], what: str) -> None:
-    """Refuse, listing every problem, a state dict that does not fit the model's names and shapes.
+def value_of(entry: Entry) -> torch.Tensor:
+    return entry.sharded if isinstance(entry, ShardedParam) else getattr(entry[0], entry[1])
+
+
+def check_names_and_shapes(entries: Mapping[str, Entry], shapes: Mapping[str, torch.Size], what: str) -> None:
+    """Refuse, listing every problem, tensors that do not fit the model's names and shapes.
 
     A tied parameter is satisfied by any one of its names.
     """
-    def shape_of(entry: object) -> torch.Size:
-        return entry.shape if isinstance(entry, ShardedParam) else getattr(entry[0], entry[1]).shape
-
-    provided = set(state_dict)
-    covered = {id(entry) for name, entry in entries.items() if name in provided}
+    covered = {id(entry) for name, entry in entries.items() if name in shapes}
     missing = sorted(name for name, entry in entries.items() if id(entry) not in covered)
-    unexpected = sorted(provided - set(entries))
-    wrong = sorted(f"{name}: checkpoint {tuple(state_dict[name].shape)}, model {tuple(shape_of(entry))}"
-                   for name, entry in entries.items() if name in provided
-                   and tuple(state_dict[name].shape) != tuple(shape_of(entry)))
+    unexpected = sorted(set(shapes) - set(entries))
+    wrong = sorted(f"{name}: {what} {tuple(shapes[name])}, model {tuple(value_of(entry).shape)}"
+                   for name, entry in entries.items()
+                   if name in shapes and tuple(shapes[name]) != tuple(value_of(entry).shape))
     if missing or unexpected or wrong:
         problems = "; ".join(f"{label}: {items}" for label, items in
                              (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items)
-        raise fail(f"{what} does not fit the model ({problems})",
-                   "Use a state dict of the same architecture, with the unwrapped model's names "
+        raise fail(f"the {what} does not fit the model ({problems})",
+                   "Use one of the same architecture, with the unwrapped model's names "
                    "(model.state_dict() of the model built without fullshard).")
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Between steps every unit is sharded; one kept full would hold stale or unsaved values."""
+    for unit in units_of(model, "state dicts"):
+        unit.reshard()
+
+
+# ---- model and optimizer state dicts ------------------------------------------------------
+
+
+def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's first name in the unwrapped model (tied ones have several)."""
+    return {param: name for name, param in reversed(list(model.named_parameters(remove_duplicate=False)))}
+
+
+def full_model_state(model: nn.Module, *, cpu_offload: bool, keep: bool) -> dict[str, torch.Tensor]:
+    """Full tensors, gathered unit by unit and (cpu_offload) moved to the CPU as they come."""
+    entries = state_entries(model)
+    full: dict[int, torch.Tensor] = {}
+    for unit in units_of(model, "get_state_dict"):
+        for p, tensor in zip(unit.params, unit.gather_masters()):
+            if keep:
+                full[id(p)] = tensor.cpu() if cpu_offload else tensor
+    if not keep:
+        return {}
+    out = {}
+    for name, entry in entries.items():
+        if isinstance(entry, ShardedParam):
+            out[name] = full[id(entry)]
+        else:
+            tensor = value_of(entry).detach()
+            out[name] = tensor.cpu() if cpu_offload else tensor.clone()
+    return out
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool, cpu_offload: bool,
+                    keep: bool) -> dict[str, Any]:
+    """{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}]}; full gathers every
+    DTensor state tensor, one at a time (all ranks take part; only `keep`ers hold the result)."""
+    if optimizer is None:
+        return {}
+    names = param_names(model)
+    state: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            values = {}
+            for key, value in optimizer.state.get(param, {}).items():
+                if full and isinstance(value, DTensor):
+                    value = value.full_tensor()
+                if isinstance(value, torch.Tensor) and full:
+                    value = value.cpu() if cpu_offload else value.clone()
+                values[key] = value
+            if values and keep:
+                state[names[param]] = values
+    if not keep:
+        return {}
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = True,
+                   cpu_offload: bool = True, rank0_only: bool = False) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts, under the unwrapped model's names.
+
+    Args:
+        model: a sharded model, between training steps (every rank must call this).
+        optimizer: its optimizer, or None (the optimizer state dict is then ``{}``).
+        full: plain full tensors (gathered unit by unit, so the extra memory is about one
+            unit's full parameters beyond the result), or ``False`` for the ``DTensor``
+            shards themselves (no communication).
+        cpu_offload: with ``full``, move each tensor to the CPU as it is gathered.
+        rank0_only: with ``full``, only rank 0 gets the dicts; the others get ``{}``.
+
+    Returns:
+        (model_sd, optim_sd); optim_sd is ``{"state": {name: {...}}, "param_groups":
+        [{..., "params": [name, ...]}]}``.
+    """
+    reshard_all(model)
+    keep = not rank0_only or dist.get_rank() == 0
+    if not full:
+        model_sd = {name: value_of(entry) for name, entry in state_entries(model).items()}
+        return model_sd, optimizer_state(model, optimizer, full=False, cpu_offload=False, keep=True)
+    model_sd = full_model_state(model, cpu_offload=cpu_offload, keep=keep)
+    return model_sd, optimizer_state(model, optimizer, full=True, cpu_offload=cpu_offload, keep=keep)
+
+
+def load_model_state(model: nn.Module, model_sd: Mapping[str, torch.Tensor]) -> None:
+    """Copy full or sharded tensors into the shards (each rank its own rows) and buffers."""
+    entries = state_entries(model)
+    check_names_and_shapes(entries, {k: v.shape for k, v in model_sd.items()}, "state dict")
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, entry in entries.items():
+            if name not in model_sd or id(entry) in done:
+                continue
+            done.add(id(entry))
+            value = model_sd[name]
+            if not isinstance(entry, ShardedParam):
+                value_of(entry).copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+            elif isinstance(value, DTensor) and value.device_mesh == entry.mesh and \
+                    tuple(value.placements) == tuple(entry.placements):
+                entry.local_shard().copy_(value.to_local())
+            else:
+                entry.write_back(value.full_tensor() if isinstance(value, DTensor) else value)
+    reshard_all(model)
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, optim_sd: Mapping[str, Any]) -> None:
+    """Load a name-keyed optimizer state dict, full (resharded here) or sharded, through
+    the optimizer's own load_state_dict; values are copied, never kept."""
+    names = param_names(model)
+    by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
+    sharded = {p.sharded: p for unit in units_of(model, "set_state_dict") for p in unit.params}
+    unknown = sorted(set(optim_sd.get("state", {})) - set(by_name))
+    groups = optim_sd.get("param_groups", [])
+    if unknown or len(groups) != len(optimizer.param_groups) or \
+            any(len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, optimizer.param_groups)):
+        raise fail(f"the optimizer state dict does not fit this optimizer (names the model lacks: {unknown}; "
+                   f"param groups: {[len(g['params']) for g in groups]} saved, "
+                   f"{[len(g['params']) for g in optimizer.param_groups]} here)",
+                   "Build the optimizer with the same parameter groups as the one that was saved.")
+    index = {name: i for i, name in enumerate(names[p] for g in optimizer.param_groups for p in g["params"])}
+    state = {}
+    for name, values in optim_sd.get("state", {}).items():
+        param = by_name[name]
+        state[index[name]] = {key: shard_like(param, sharded.get(param), value) for key, value in values.items()}
+    torch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+                    for g in groups]
+    for saved, mine in zip(torch_groups, optimizer.param_groups):  # JSON and DCP turn tuples into lists
+        for key, value in saved.items():
+            if isinstance(mine.get(key), tuple) and isinstance(value, list):
+                saved[key] = tuple(value)
+    optimizer.load_state_dict({"state": state, "param_groups": torch_groups})
+
+
+def shard_like(param: nn.Parameter, sharded: ShardedParam | None, value: Any) -> Any:
+    """An optimizer state value laid out as `param`: full tensors of its shape become its shard."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if sharded is None or value.shape != param.shape or value.dim() == 0 and not sharded.replicated:
+        return value.detach().clone()
+    if isinstance(value, DTensor):
+        if value.device_mesh == sharded.mesh and tuple(value.placements) == tuple(sharded.placements):
+            return value.detach().clone()
+        value = value.full_tensor()
+    rows = value if sharded.replicated else value[sharded.first_row : sharded.first_row + sharded.local_shape[0]]
+    return sharded.as_dtensor(rows.detach().to(sharded.local_shard().device).clone())
+
+
+def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                   model_sd: Mapping[str, torch.Tensor], optim_sd: Mapping[str, Any] | None = None,
+                   full: bool = True) -> None:
+    """Load state dicts from get_state_dict (or the unwrapped model's, for full ones).
+
+    Full tensors are resharded: each rank copies its own rows, with no communication.
+    Values are copied; no reference to the given dicts is kept.
+
+    Args:
+        model: the sharded model.
+        optimizer: its optimizer, or None.
+        model_sd: under the unwrapped model's names; full tensors or DTensors.
+        optim_sd: ``{"state": {name: {...}}, "param_groups": [...]}``, or None.
+        full: whether the dicts hold full tensors (``False``: DTensor shards).
+
+    Raises:
+        FullShardError: before anything is copied, on names or shapes that do not fit.
+    """
+    load_model_state(model, model_sd)
+    if optimizer is not None and optim_sd:
+        load_optimizer_state(model, optimizer, optim_sd)
 
 
 def init_weights_from(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -58,8 +254,8 @@ def init_weights_from(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) 
 
     Each rank copies only its own rows of each tensor into its shards, one tensor at a
     time and without communication, so no rank builds a full parameter; with a lazily
-    loaded state dict (e.g. ``safetensors.safe_open`` tensors or a memory-mapped
-    ``torch.load(..., mmap=True)``) a rank reads little more than its shards.
+    loaded state dict (``safetensors.safe_open`` or ``torch.load(..., mmap=True)``) a rank
+    reads little more than its shards.
 
     Args:
         model: a model sharded by fullshard, e.g. built on the meta device and
@@ -73,18 +269,227 @@ def init_weights_from(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) 
             and wrong shapes.
     """
     units_of(model, "init_weights_from")
+    load_model_state(model, state_dict)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, unpickling non-tensor items with weights_only=True (no arbitrary objects)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The DCP directory of the latest complete checkpoint at `path` (for dcp.load).
+
+    Raises:
+        FullShardError: when `path` holds no complete checkpoint.
+    """
+    path = Path(path)
+    if (path / LATEST).is_file():
+        version = path / (path / LATEST).read_text().strip()
+        if not (version / COMPLETE).is_file():
+            raise fail(f"checkpoint {path} names version {version.name}, which is incomplete",
+                       "Its save was interrupted; load an earlier checkpoint or save again.")
+        return version
+    if (path / ".metadata").is_file():
+        return path  # a plain DCP directory, e.g. written by PyTorch's FSDP
+    raise fail(f"{path} is not a checkpoint (no {LATEST} file and no DCP .metadata)",
+               "Pass the directory given to fullshard.save (or a torch.distributed.checkpoint directory).")
+
+
+def agree(value: str) -> str:
+    """Rank 0's string on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         step: int | None = None, extra: Any = None) -> None:
+    """Save a sharded checkpoint (every rank writes its shards), atomically.
+
+    Loads at any world size and under any strategy. A crash at any point leaves the
+    previous checkpoint at `path` complete; saving to the same path again replaces it.
+    See Note [checkpoint layout].
+
+    Args:
+        path: a directory (created if missing), on storage every rank can reach.
+        model: the sharded model, between training steps (every rank must call this).
+        optimizer: its optimizer, or None.
+        step: the training step, returned by ``load``.
+        extra: JSON-serializable user metadata (numbers, strings, lists, dicts), returned
+            by ``load``.
+
+    Raises:
+        FullShardError: before anything is written, when ``extra`` is not JSON-serializable.
+    """
+    try:
+        meta = json.dumps({"format": 1, "step": step, "extra": extra})
+    except (TypeError, ValueError) as e:
+        raise fail(f"extra={extra!r} cannot be saved: {e}",
+                   "Pass JSON-serializable values (numbers, strings, lists, dicts); checkpoints never "
+                   "pickle arbitrary objects.") from None
+    path = Path(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
+    version = path / agree(f"v-{secrets.token_hex(6)}")
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob("v-*"):  # versions of saves that never finished
+            if not (stale / COMPLETE).is_file():
+                shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(version))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_durably(version / META, meta)
+        write_durably(version / COMPLETE, "")
+        previous = (path / LATEST).read_text().strip() if (path / LATEST).is_file() else None
+        write_durably(path / LATEST, version.name)  # the switch: atomic
+        if previous and previous != version.name:
+            shutil.rmtree(path / previous, ignore_errors=True)
+    dist.barrier()
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write a file by atomic replacement, flushed to disk with its directory entry."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (for DCP to load into) by a step with zero
+    gradients and zero learning rate, which leaves the parameters unchanged."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint written by ``save`` (at any world size, under any strategy) or a
+    plain DCP directory with "model" (and "optim") entries.
+
+    Args:
+        path: the directory given to ``save``.
+        model: the sharded model to load into (every rank must call this).
+        optimizer: its optimizer, or None to load the model only.
+
+    Returns:
+        ``{"step": ..., "extra": ...}`` as saved (``None`` for a plain DCP directory).
+
+    Raises:
+        FullShardError: before anything is loaded, when `path` is not a (complete)
+            checkpoint or its names or shapes do not fit the model (all listed).
+    """
+    directory = checkpoint_dir(path)
+    reader = dcp.FileSystemReader(directory)
+    saved = reader.read_metadata().state_dict_metadata
+    shapes = {k[len("model."):]: getattr(v, "size", ()) for k, v in saved.items() if k.startswith("model.")}
     entries = state_entries(model)
-    check_names_and_shapes(entries, state_dict, "the state dict")
-    loaded: set[int] = set()
-    with torch.no_grad():
-        for name, entry in entries.items():
-            if name not in state_dict or id(entry) in loaded:
-                continue
-            loaded.add(id(entry))
-            if isinstance(entry, ShardedParam):
-                entry.write_back(state_dict[name])
-            else:
-                getattr(entry[0], entry[1]).copy_(state_dict[name])
-    for m in model.modules():
-        if (hooks := unit_hooks(m)) is not None:
-            hooks.unit.reshard()  # a unit kept full would still compute with the old values
+    check_names_and_shapes(entries, shapes, "checkpoint")
+    reshard_all(model)
+    model_sd = {name: value_of(entry) for name, entry in entries.items() if name in shapes}
+    state: dict[str, Any] = {"model": model_sd}
+    with_optimizer = optimizer is not None and any(k.startswith("optim.state.") for k in saved)
+    if with_optimizer:
+        init_optimizer_state(optimizer)
+        optim_sd = optimizer_state(model, optimizer, full=False, cpu_offload=False, keep=True)
+        optim_sd["state"] = {name: {k: v for k, v in values.items() if f"optim.state.{name}.{k}" in saved}
+                             for name, values in optim_sd["state"].items()
+                             if any(key.startswith(f"optim.state.{name}.") for key in saved)}
+        state["optim"] = optim_sd
+    dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+    if with_optimizer:
+        load_optimizer_state(model, optimizer, state["optim"])
+    meta_file = directory / META
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    return {"step": meta.get("step"), "extra": meta.get("extra")}
+
+
+def export(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write the full weights (the unwrapped model's state dict) as one safetensors file.
+
+    Every rank takes part in gathering, unit by unit; rank 0 streams each unit's tensors
+    to the file as they come, so no rank holds more than one unit's full parameters. The
+    file loads with plain ``safetensors.torch.load_file`` and ``model.load_state_dict``.
+
+    Args:
+        model: the sharded model.
+        path: the file to write (rank 0); replaced atomically.
+    """
+    reshard_all(model)
+    entries = state_entries(model)
+    units = units_of(model, "export")
+    names_of: dict[int, list[str]] = {}
+    for name, entry in entries.items():
+        names_of.setdefault(id(entry), []).append(name)
+    # tensors in the order they become available: buffers and unmanaged parameters, then unit by unit
+    plain = [(name, value_of(entry).detach()) for name, entry in entries.items() if not isinstance(entry, ShardedParam)]
+    gathered = [(name, p) for unit in units for p in unit.params for name in names_of[id(p)]]
+    header, offset = {}, 0
+    for name, value in plain + [(name, p.sharded) for name, p in gathered]:
+        nbytes = value.numel() * value.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[value.dtype], "shape": list(value.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    rank0 = dist.get_rank() == 0
+    out = open(tmp, "wb") if rank0 else None
+    try:
+        if out:
+            out.write(struct.pack("<Q", len(blob)) + blob)
+            for _, tensor in plain:
+                out.write(tensor_bytes(tensor))
+        for unit in units:
+            for p, tensor in zip(unit.params, unit.gather_masters()):
+                for _ in names_of[id(p)] if out else ():
+                    out.write(tensor_bytes(tensor))
+        if out:
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        if out:
+            out.close()
+    if rank0:
+        os.replace(tmp, path)
+    dist.barrier()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
