@@ -11,10 +11,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 train: $(VENV)/.installed
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_gpt.py
+	$(VENV)/bin/fullshard train
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/bench_step.py
+	$(VENV)/bin/fullshard bench

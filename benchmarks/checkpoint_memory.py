@@ -2,7 +2,7 @@
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint_memory.py [preset] [dir]
 
-Builds the benchmark GPT (bench_step.py's presets), takes one AdamW step so the
+Builds the benchmark GPT (fullshard bench's presets), takes one AdamW step so the
 optimizer has state, then measures each operation's rise of peak RSS above the RSS
 before it (/proc/self/clear_refs restarts the peak).
 """
@@ -18,8 +18,7 @@ import torch.distributed as dist
 import fullshard
 from fullshard.gpt import Block
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_step import PRESETS, build_model  # noqa: E402
+from fullshard.bench import BATCHES, build_model
 
 
 def status(field: str) -> int:
@@ -43,7 +42,7 @@ torch.set_num_threads(1)
 preset = sys.argv[1] if len(sys.argv) > 1 else "100m"
 root = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.gettempdir())
 path = root / f"fullshard-ckpt-{preset}"
-_, _, _, batch, seq = PRESETS[preset]
+batch, seq = BATCHES[preset]
 model = fullshard.shard_model(build_model(preset), wrap={Block})
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 x = torch.randint(0, 256, (batch // dist.get_world_size(), seq + 1))

@@ -28,6 +28,15 @@ class GPTConfig:
     bias: bool = True
 
 
+# Named sizes (vocabulary 256: bytes), for the CLI and the benchmark.
+PRESETS = {
+    "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64},  # ~0.1M parameters: tests
+    "small": {"n_layer": 6, "n_head": 6, "n_embd": 192},  # ~2.7M: the default `fullshard train`
+    "15m": {"n_layer": 8, "n_head": 6, "n_embd": 384},  # ~14M
+    "100m": {"n_layer": 15, "n_head": 12, "n_embd": 768},  # ~106M
+}
+
+
 class Linear(nn.Linear):
     """nn.Linear with GPT-2's initialization: N(0, std) weight, zero bias."""
 
