@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import zlib
+from datetime import timedelta
+
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from fullshard.collectives import all_gather_ints, all_gather_objects
 
 from fullshard.errors import fail
 from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, unit_hooks
@@ -112,6 +117,48 @@ class FSDPModule:
         """
         unit_hooks(self).backward_targets = prefetch_targets(modules, "set_modules_to_backward_prefetch")
 
+    def set_timeout(self, seconds: float, *, recurse: bool = True) -> None:
+        """Give up on a collective of these units after `seconds` (default 300) with a
+        FullShardError naming the unit, the collective and the step, instead of hanging.
+
+        Args:
+            seconds: how long a gather or reduction may wait for the other ranks.
+            recurse: apply to every unit in this module's subtree.
+        """
+        if not (isinstance(seconds, (int, float)) and seconds > 0):
+            raise fail(f"set_timeout({seconds!r}): the timeout must be a positive number of seconds",
+                       "Pass e.g. 120.")
+        for unit in self._units(recurse):
+            unit.timeout = timedelta(seconds=seconds)
+
+    def set_debug_checks(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Before every collective, check that all ranks run the same one: the same unit, the same
+        step and (for reductions) gradients for the same parameters; raise naming what each rank
+        was about to do when they differ. Off by default: it adds a small all-gather per
+        collective (cost in docs/reliability.md).
+
+        Args:
+            enabled: turn the checks on or off.
+            recurse: apply to every unit in this module's subtree.
+        """
+        for unit in self._units(recurse):
+            unit.debug = bool(enabled)
+
+    def set_nonfinite_grads(self, policy: str | None) -> None:
+        """What a gradient with an inf or NaN does (after reduction; every rank decides alike).
+
+        Args:
+            policy: ``"raise"`` (a FullShardError naming the unit and step, from ``backward()``),
+                ``"skip"`` (every rank drops all gradients of the step, so ``optimizer.step()``
+                changes nothing; counted in ``fullshard.stats``) or ``None`` (no check, the
+                default). Call it on the root (the outermost unit).
+        """
+        if policy not in (None, "raise", "skip"):
+            raise fail(f"set_nonfinite_grads({policy!r}) is not a policy", "Pass 'raise', 'skip' or None.")
+        unit_hooks(self).lazy_init().nonfinite = policy
+        for unit in self._units(True):
+            unit.check_finite = policy is not None
+
     def _units(self, recurse: bool) -> list[Unit]:
         modules = self.modules() if recurse else [self]
         return [hooks.unit for m in modules if (hooks := unit_hooks(m)) is not None]
@@ -204,6 +251,22 @@ def check_owned(module: nn.Module, owned: list[OwnedParam]) -> None:
                    "their own units first; use MixedPrecisionPolicy for low-precision compute.")
 
 
+def check_ranks_agree(module: nn.Module, owned: list[OwnedParam], device: torch.device) -> None:
+    """Refuse, on every rank and before anything changes, ranks that would shard different
+    parameters (names, shapes, dtypes or requires_grad): they would silently mix values."""
+    described = [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad) for o in owned]
+    digest = zlib.crc32(repr(described).encode())
+    if torch.distributed.get_world_size() == 1 or \
+            len({d for (d,) in all_gather_ints([digest], device=device, timeout=timedelta(seconds=300))}) == 1:
+        return
+    everyone = all_gather_objects(described)
+    differ = [f"rank {r}: {sorted(set(theirs) ^ set(everyone[0]))}" for r, theirs in enumerate(everyone)
+              if theirs != everyone[0]]
+    raise fail(f"ranks would shard different parameters in this {type(module).__name__} ((name, shape, dtype, "
+               f"requires_grad) differing from rank 0: {'; '.join(differ)})",
+               "Build the same model on every rank, with the same parameters frozen, before sharding.")
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -257,6 +320,7 @@ def fully_shard(
     owned = owned_params(module, _exclude)
     check_owned(module, owned)
     group = shard_group(mesh)
+    check_ranks_agree(module, owned, group.device)
     post_forward_world = 1
     if type(reshard_after_forward) is int:
         k = reshard_after_forward

@@ -57,6 +57,10 @@ class TrainConfig:
     limit_all_gathers: int = opt(2, "at most this many units gathered ahead of use (0: no limit)")
     # run
     nproc: int = opt(0, "ranks to start (0: 1 per GPU, else 2); ignored under torchrun")
+    max_restarts: int = opt(0, "restart all ranks this many times when one fails; they resume from the checkpoint")
+    timeout: float = opt(300.0, "seconds a collective may wait before failing with an error naming the unit")
+    nonfinite: str = opt("raise", "an inf/NaN gradient: 'raise' (stop, naming the unit and step), 'skip' the step, 'off'")
+    debug_checks: bool = opt(False, "check before every collective that all ranks run the same one (slower)")
     oversubscribe: bool = opt(False, "allow more ranks than CPU cores")
     seed: int = opt(0, "seed for initialization and data order")
     out: str = opt("runs/gpt", "directory for metrics.jsonl, loss.png and checkpoint/")
@@ -90,6 +94,10 @@ def problem(cfg: TrainConfig) -> str | None:
         return f"unknown --strategy {cfg.strategy!r}; choose one of {', '.join(STRATEGIES)}"
     if cfg.precision not in ("fp32", "bf16", "fp16"):
         return f"unknown --precision {cfg.precision!r}; choose fp32, bf16 or fp16"
+    if cfg.nonfinite not in ("raise", "skip", "off"):
+        return f"unknown --nonfinite {cfg.nonfinite!r}; choose raise, skip or off"
+    if cfg.timeout <= 0:
+        return f"--timeout must be positive, got {cfg.timeout}"
     if cfg.backward_prefetch not in ("pre", "post", "none"):
         return f"unknown --backward-prefetch {cfg.backward_prefetch!r}; choose pre, post or none"
     if cfg.wrap not in ("block", "none") and not cfg.wrap.isdigit():
@@ -97,7 +105,7 @@ def problem(cfg: TrainConfig) -> str | None:
     for name in ("steps", "global_batch", "grad_accum", "seq_len", "eval_batches"):
         if getattr(cfg, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}"
-    for name in ("nproc", "ckpt_interval", "eval_interval", "limit_all_gathers", "warmup", "sample_bytes"):
+    for name in ("nproc", "ckpt_interval", "eval_interval", "limit_all_gathers", "warmup", "sample_bytes", "max_restarts"):
         if getattr(cfg, name) < 0:
             return f"--{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}"
     if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.clip < 0 or cfg.weight_decay < 0:
@@ -141,7 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     if (message := problem(cfg)) is not None:
         return fatal(message)
     if all(var in os.environ for var in TORCHRUN_VARS):
-        return train(cfg)
+        from fullshard.errors import FullShardError
+
+        try:
+            return train(cfg)
+        except FullShardError as e:  # what went wrong and how to fix it, in one line
+            print(f"fullshard: error: {e}", file=sys.stderr, flush=True)
+            return 3
     nproc = local_ranks(cfg)
     cores = os.cpu_count() or 1
     import torch
@@ -150,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(f"--nproc {nproc} is more than the {cores} CPU cores here; pass --oversubscribe to run anyway")
     if cfg.global_batch % (nproc * cfg.grad_accum):
         return fatal(f"--global-batch {cfg.global_batch} must divide into {nproc} ranks x {cfg.grad_accum} micro-batches")
-    return launch(nproc, argv if argv is not None else sys.argv[1:])
+    return launch(nproc, cfg.max_restarts, argv if argv is not None else sys.argv[1:])
 
 
 def fatal(message: str) -> int:
@@ -168,9 +182,11 @@ def version() -> str:
         return "unknown"
 
 
-def launch(nproc: int, argv: list[str]) -> int:
+def launch(nproc: int, max_restarts: int, argv: list[str]) -> int:
     """Start `nproc` ranks of this same command with torch's elastic launcher, as
-    `torchrun --standalone` would (one node, a rendezvous on a free local port)."""
+    `torchrun --standalone` would: one node, the rendezvous and gloo on 127.0.0.1 only.
+    When a rank dies all are restarted (up to `max_restarts` times) and resume from the
+    newest complete checkpoint."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -179,7 +195,8 @@ def launch(nproc: int, argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: ranks meet on loopback
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+                          start_method="spawn")
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "fullshard.cli", *argv)
     except ChildFailedError as e:
@@ -257,9 +274,14 @@ def train(cfg: TrainConfig) -> int:
     import fullshard
     from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
 
-    # set up the process group: NCCL with one GPU per rank, else gloo on the CPU
+    # set up the process group: NCCL with one GPU per rank, else gloo on the CPU. Restarted
+    # ranks meet under a key prefix of their own attempt: the launcher's store outlives an
+    # attempt, and a rank must not connect to an address a dead peer left there
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"fullshard/attempt-{attempt}", store),
+                            rank=rank, world_size=world)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
@@ -294,6 +316,9 @@ def train(cfg: TrainConfig) -> int:
         offload_policy=fullshard.CPUOffloadPolicy() if cfg.cpu_offload else None,
         backward_prefetch=None if cfg.backward_prefetch == "none" else cfg.backward_prefetch,
         forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None)
+    model.set_timeout(cfg.timeout)
+    model.set_debug_checks(cfg.debug_checks)
+    model.set_nonfinite_grads(None if cfg.nonfinite == "off" else cfg.nonfinite)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr)

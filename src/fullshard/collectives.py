@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,45 @@ import torch.distributed as dist
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-GATHER_TAG, REDUCE_TAG = 1, 2
+
+
+class CollectiveError(RuntimeError):
+    """A collective that failed or did not finish within its timeout."""
+
+
+def wait_all(works: list, timeout: timedelta) -> None:
+    """Wait for `works`, giving up after `timeout` (Note [named hangs])."""
+    try:
+        for work in works:
+            work.wait(timeout)
+    except RuntimeError as e:  # the backends raise RuntimeError subclasses for timeouts and lost peers
+        raise CollectiveError(str(e).splitlines()[0]) from e
+
+
+def p2p_tag(unit_index: int, kind: int) -> int:
+    """The message tag of a unit's gather (kind 0) or reduce-scatter (kind 1) on gloo.
+
+    # Note [named hangs]: every point-to-point message carries its unit's tag, so a rank
+    # that skipped a unit (or took another branch) is never matched with another unit's
+    # message of the same size (which would be silent corruption): its peers wait, time
+    # out, and raise an error naming the unit, the collective and the step.
+    """
+    return 16 + 2 * unit_index + kind
+
+
+def all_gather_ints(values: list[int], *, device: torch.device, timeout: timedelta) -> list[list[int]]:
+    """Every rank's `values` (the same length on every rank), rank by rank."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.int64, device=device)
+    wait_all([_all_gather_single(out, mine, async_op=True)], timeout)
+    return out.view(-1, len(values)).tolist()
+
+
+def all_gather_objects(obj: object) -> list[object]:
+    """Every rank's `obj` (small, picklable, our own), rank by rank."""
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def uses_p2p(group: dist.ProcessGroup) -> bool:
@@ -123,7 +162,7 @@ class PendingGather:
 
 def gather_full(
     shard: torch.Tensor, *, group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device,
-    pool: BufferPool,
+    pool: BufferPool, tag: int,
 ) -> PendingGather:
     """Start gathering every rank's flat shard over `group` in `dtype` on `device`.
 
@@ -146,8 +185,8 @@ def gather_full(
         elif uses_p2p(group):
             peers = [r for r in range(world) if r != rank]
             gathered = pool.take((world - 1, local_flat.numel()), local_flat.dtype, local_flat.device)
-            works = [dist.isend(local_flat, dist.get_global_rank(group, r), group=group, tag=GATHER_TAG) for r in peers]
-            works += [dist.irecv(row, dist.get_global_rank(group, r), group=group, tag=GATHER_TAG)
+            works = [dist.isend(local_flat, dist.get_global_rank(group, r), group=group, tag=tag) for r in peers]
+            works += [dist.irecv(row, dist.get_global_rank(group, r), group=group, tag=tag)
                       for row, r in zip(gathered, peers)]
         else:
             gathered = pool.take((world, local_flat.numel()), local_flat.dtype, local_flat.device)
@@ -155,15 +194,15 @@ def gather_full(
     return PendingGather(works, gathered, local_flat, staged, rank, world, stream, Traffic(sent, sent))
 
 
-def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int], pool: BufferPool) -> None:
+def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int], pool: BufferPool, *,
+                  timeout: timedelta) -> None:
     """Wait for the gather and move each rank's rows into the parameters' padded full tensors.
 
     `fulls` were allocated on the compute stream before the gather was issued.
     """
     world = pending.world
     with on(pending.stream):
-        for work in pending.works:
-            work.wait()
+        wait_all(pending.works, timeout)
         outs = [full.view(world, -1) for full in fulls]  # each [world, shard_numel]
         with torch.no_grad():
             if pending.gathered.size(0) == world:
@@ -232,6 +271,7 @@ def reduce_scatter_grads(
     dp_size: int,
     shard: torch.Tensor,
     pool: BufferPool,
+    tag: int,
 ) -> PendingReduce:
     """Start summing the full gradients' rows over the shard group into `shard`, this
     rank's row ([grad_shard_numel + n_flags], of the reduce dtype, on the compute stream).
@@ -263,9 +303,9 @@ def reduce_scatter_grads(
         divide_after = 1
     if p2p:
         received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
-        works = [dist.isend(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=REDUCE_TAG)
+        works = [dist.isend(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=tag)
                  for row, r in zip(sent, peers)]
-        works += [dist.irecv(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=REDUCE_TAG)
+        works += [dist.irecv(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=tag)
                   for row, r in zip(received, peers)]
     elif shard_group is not None:
         wait_for_compute(stream)  # the gradients were packed on the compute stream
@@ -278,18 +318,18 @@ def reduce_scatter_grads(
     return PendingReduce(works, sent, received, shard, stream, replicate_group, divide_after, traffic)
 
 
-def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
+def finish_reduce(pending: PendingReduce, pool: BufferPool, *, timeout: timedelta) -> torch.Tensor:
     """Wait for the reduction; return this rank's row averaged over the data-parallel ranks."""
     shard = pending.shard
     with on(pending.stream):
-        for work in pending.works:
-            work.wait()
+        wait_all(pending.works, timeout)
         if pending.received is not None:  # own row first, then the peers' in rank order
             for row in pending.received:
                 shard.add_(row)
         if pending.replicate_group is not None:
             replicas = pending.replicate_group.size()
-            dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=pending.replicate_group)
+            wait_all([dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=pending.replicate_group, async_op=True)],
+                     timeout)
             nbytes = 2 * (replicas - 1) * shard.numel() * shard.element_size() // replicas
             pending.traffic.append(("all_reduce", Traffic(nbytes, nbytes)))
         if pending.divide_after > 1:
@@ -301,10 +341,10 @@ def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
     return shard
 
 
-def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup) -> Traffic:
+def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup, timeout: timedelta) -> Traffic:
     """Sum `tensors` in place over `group`, packed into one all-reduce."""
     flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    wait_all([dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)], timeout)
     torch.split_with_sizes_copy(flat, [t.numel() for t in tensors], out=[t.view(-1) for t in tensors])
     size = group.size()
     nbytes = 2 * (size - 1) * flat.numel() * flat.element_size() // size

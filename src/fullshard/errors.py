@@ -11,3 +11,9 @@ class FullShardError(ValueError):
 def fail(what: str, fix: str) -> FullShardError:
     """Build the error for `what` went wrong, ending with how to `fix` it."""
     return FullShardError(f"{what}. {fix}")
+
+
+def require(ok: bool, what: str, fix: str) -> None:
+    """Raise FullShardError(what, fix) unless `ok`: argument checks at the public boundary."""
+    if not ok:
+        raise fail(what, fix)

@@ -45,7 +45,8 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from fullshard.collectives import BufferPool
+from fullshard.collectives import BufferPool, CollectiveError, all_gather_ints
+from fullshard.errors import fail
 from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
 
@@ -143,6 +144,8 @@ class RootContext:
         self.last_order: list[UnitHooks] = []
         self.ahead: list[UnitHooks] = []  # gathered ahead of use, not used yet
         self.reducing: UnitHooks | None = None  # the unit whose reduction is in flight
+        self.step = 0  # backward passes finished
+        self.nonfinite: str | None = None  # None, "raise" or "skip": what a non-finite gradient does
 
     # ---- prefetch, Note [prefetch] --------------------------------------------------
 
@@ -151,6 +154,7 @@ class RootContext:
             self.last_order, self.order = self.order, []
         for hooks in self.units:  # a forward without backward left them; the shards may have changed since
             hooks.unit.drop_small()
+            hooks.unit.step = self.step + 1
 
     def record(self, hooks: UnitHooks) -> None:
         if hooks.ahead_of_use:
@@ -213,7 +217,35 @@ class RootContext:
         self.reducing = None
         self.callback_queued = False
         self.stats.steps += 1
+        self.step += 1
         self.pool.release()  # forward's activations may reuse that memory
+        self.settle_nonfinite()
+
+    def settle_nonfinite(self) -> None:
+        """With a non-finite policy, every rank learns whether any rank's reduced gradient had
+        an inf or NaN, and all raise (naming the unit) or all skip the step (no gradients)."""
+        if self.nonfinite is None or not self.units:
+            return
+        bad = next((h.unit.index for h in self.units if h.unit.saw_nonfinite), -1)
+        for hooks in self.units:
+            hooks.unit.saw_nonfinite = False
+        unit = self.units[0].unit
+        try:
+            everyone = [b for (b,) in all_gather_ints([bad], device=unit.compute_device, timeout=unit.timeout) if b >= 0]
+        except CollectiveError as e:
+            raise unit.failed("non-finite check", e) from None
+        if not everyone:
+            return
+        if self.nonfinite == "skip":
+            for hooks in self.units:
+                for p in hooks.unit.params:
+                    p.sharded.grad = None
+            self.stats.skipped_steps += 1
+            return
+        raise fail(f"the gradient of unit {unit.names[min(everyone)]!r} at step {self.step} is not finite (inf or "
+                   f"NaN) after reduction", "Lower the learning rate, train in bf16/fp32 or with loss scaling "
+                   "(fullshard.GradScaler for fp16), or call model.set_nonfinite_grads('skip') to skip such steps "
+                   "on every rank.")
 
     def recover(self) -> None:
         """A backward that raised never ran the final callback: start the next step clean."""
@@ -248,11 +280,12 @@ class UnitHooks:
             names = {module: name for name, module in self.unit.module.named_modules()}
             units = [hooks for module in names if (hooks := unit_hooks(module)) is not None]
             ctx = RootContext(units, self.schedule)
-            for hooks in units:
+            fqns = [names[hooks.unit.module] or "<root>" for hooks in units]
+            for index, hooks in enumerate(units):
                 hooks.ctx = ctx
                 hooks.is_root = hooks is self
                 hooks.free_after_forward = hooks.unit.config.free_after_forward and not hooks.is_root
-                hooks.unit.fqn = names[hooks.unit.module] or "<root>"
+                hooks.unit.fqn, hooks.unit.index, hooks.unit.names = fqns[index], index, fqns
                 hooks.unit.pool = ctx.pool
                 hooks.unit.stats = ctx.stats
         return self.ctx

@@ -7,14 +7,16 @@
 # atomically replaces path/LATEST, a one-line file naming the version. A crash at any
 # point leaves LATEST naming a complete version; older versions are removed after the
 # switch. load(path) reads the version LATEST names, or a plain DCP directory (e.g.
-# written by PyTorch's FSDP). Nothing is unpickled but DCP's metadata and, with
-# weights_only=True, its non-tensor items (optimizer hyperparameters).
+# written by PyTorch's FSDP). Nothing in a checkpoint can run code: DCP's metadata is
+# unpickled allowing only DCP's own metadata classes, tensors and non-tensor items
+# (optimizer hyperparameters) with torch.load(weights_only=True).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import secrets
 import shutil
 import struct
@@ -25,10 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.tensor import DTensor
 
-from fullshard.errors import fail
+from fullshard.errors import fail, require
 from fullshard.hooks import unit_hooks
 from fullshard.param import ShardedParam
 from fullshard.training import units_of
@@ -137,6 +141,17 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *
     return {"state": state, "param_groups": groups}
 
 
+def check_optimizer(optimizer: object) -> None:
+    require(optimizer is None or isinstance(optimizer, torch.optim.Optimizer),
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}",
+            "Pass the optimizer built from model.parameters().")
+
+
+def check_path(path: object, what: str) -> None:
+    require(isinstance(path, (str, os.PathLike)), f"{what} needs a path (str or os.PathLike), got {path!r}",
+            "Pass e.g. 'checkpoints/run1'.")
+
+
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = True,
                    cpu_offload: bool = True, rank0_only: bool = False) -> tuple[dict, dict]:
     """The model's and the optimizer's state dicts, under the unwrapped model's names.
@@ -154,6 +169,11 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         (model_sd, optim_sd); optim_sd is ``{"state": {name: {...}}, "param_groups":
         [{..., "params": [name, ...]}]}``.
     """
+    check_optimizer(optimizer)
+    for name, flag in (("full", full), ("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
+        require(isinstance(flag, bool), f"get_state_dict({name}={flag!r}) must be True or False", f"Pass {name}=True.")
+    require(full or not rank0_only, "get_state_dict(full=False, rank0_only=True): sharded state dicts live on every rank",
+            "Pass rank0_only=False, or full=True.")
     reshard_all(model)
     keep = not rank0_only or dist.get_rank() == 0
     if not full:
@@ -244,6 +264,11 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     Raises:
         FullShardError: before anything is copied, on names or shapes that do not fit.
     """
+    check_optimizer(optimizer)
+    require(isinstance(model_sd, Mapping), f"model_sd must be a mapping of names to tensors, got {type(model_sd).__name__}",
+            "Pass the model state dict from get_state_dict (or model.state_dict() of the unwrapped model).")
+    require(optim_sd is None or isinstance(optim_sd, Mapping) and optimizer is not None,
+            "optim_sd was given without an optimizer, or is not a mapping", "Pass both optimizer= and optim_sd=.")
     load_model_state(model, model_sd)
     if optimizer is not None and optim_sd:
         load_optimizer_state(model, optimizer, optim_sd)
@@ -269,6 +294,8 @@ def init_weights_from(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) 
             and wrong shapes.
     """
     units_of(model, "init_weights_from")
+    require(isinstance(state_dict, Mapping), f"init_weights_from needs a mapping of names to tensors, got "
+            f"{type(state_dict).__name__}", "Pass e.g. safetensors.torch.load_file(path) or torch.load(path, mmap=True).")
     load_model_state(model, state_dict)
 
 
@@ -286,6 +313,39 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+# What DCP's metadata pickle may name, and nothing else (Note [checkpoint layout]).
+METADATA_GLOBALS = {("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout")}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if ((module, name) in METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata"
+                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} has no place in checkpoint metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, whose metadata unpickling cannot run code from the file."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def unreadable(directory: Path, error: Exception) -> Exception:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return fail(f"checkpoint {directory} could not be read ({type(error).__name__}: {first[:300]}): a file is "
+                f"corrupted, truncated or not a checkpoint's",
+                "Load another checkpoint; each save is a directory of its own, so the others are unaffected.")
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -333,6 +393,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     Raises:
         FullShardError: before anything is written, when ``extra`` is not JSON-serializable.
     """
+    check_path(path, "save")
+    check_optimizer(optimizer)
+    require(step is None or isinstance(step, int), f"save(step={step!r}) must be an int or None", "Pass step=1000.")
     try:
         meta = json.dumps({"format": 1, "step": step, "extra": extra})
     except (TypeError, ValueError) as e:
@@ -409,9 +472,16 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         FullShardError: before anything is loaded, when `path` is not a (complete)
             checkpoint or its names or shapes do not fit the model (all listed).
     """
+    check_path(path, "load")
+    check_optimizer(optimizer)
     directory = checkpoint_dir(path)
-    reader = dcp.FileSystemReader(directory)
-    saved = reader.read_metadata().state_dict_metadata
+    reader = SafeReader(directory)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+        meta_file = directory / META
+        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    except (OSError, EOFError, ValueError, AttributeError, pickle.UnpicklingError) as e:
+        raise unreadable(directory, e) from None
     shapes = {k[len("model."):]: getattr(v, "size", ()) for k, v in saved.items() if k.startswith("model.")}
     entries = state_entries(model)
     check_names_and_shapes(entries, shapes, "checkpoint")
@@ -426,11 +496,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                              for name, values in optim_sd["state"].items()
                              if any(key.startswith(f"optim.state.{name}.") for key in saved)}
         state["optim"] = optim_sd
-    dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+    try:
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+    except (Exception, CheckpointException) as e:  # DCP gathers every rank's read failure, raised on all
+        raise unreadable(directory, e) from None
     if with_optimizer:
         load_optimizer_state(model, optimizer, state["optim"])
-    meta_file = directory / META
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     return {"step": meta.get("step"), "extra": meta.get("extra")}
 
 
@@ -445,6 +516,7 @@ def export(model: nn.Module, path: str | os.PathLike) -> None:
         model: the sharded model.
         path: the file to write (rank 0); replaced atomically.
     """
+    check_path(path, "export")
     reshard_all(model)
     entries = state_entries(model)
     units = units_of(model, "export")

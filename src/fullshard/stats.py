@@ -18,6 +18,7 @@ class Stats:
     """
 
     steps: int = 0  # backward passes finished
+    skipped_steps: int = 0  # steps whose gradients were dropped for being non-finite (set_nonfinite_grads("skip"))
     gathers: int = 0
     reduce_scatters: int = 0
     all_reduces: int = 0  # across replicas (hybrid sharding, no_shard)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from fullshard.errors import fail
+from fullshard.errors import fail, require
 from fullshard.hooks import Phase, unit_hooks
 from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
@@ -70,6 +70,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         The global norm before clipping, as a plain 0-d tensor.
     """
     units_of(model, "clip_grad_norm_")
+    require(isinstance(max_norm, (int, float, torch.Tensor)) and float(max_norm) >= 0,
+            f"clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a non-negative number", "Pass e.g. 1.0.")
+    require(isinstance(norm_type, (int, float)) and float(norm_type) > 0,
+            f"clip_grad_norm_(norm_type={norm_type!r}): norm_type must be a positive number or float('inf')",
+            "Pass 2.0 (the default) or float('inf').")
     norm_type = float(norm_type)
     grads = [p.grad for p in dict.fromkeys(model.parameters()) if p.grad is not None]
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
@@ -127,6 +132,8 @@ def full_params(
         FullShardError: for ``writeback=True`` with ``rank0_only=True`` (the other ranks
             would have nothing to write back), or when called during forward or backward.
     """
+    for name, flag in (("writeback", writeback), ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu)):
+        require(isinstance(flag, bool), f"full_params({name}={flag!r}) must be True or False", f"Pass {name}=True.")
     if writeback and rank0_only:
         raise fail("full_params(writeback=True, rank0_only=True) cannot write back on ranks that see no "
                    "full parameters", "Pass writeback=False with rank0_only=True.")

@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum, auto
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from fullshard.collectives import (BufferPool, PendingGather, PendingReduce, all_reduce_tensors, finish_gather,
-                                   finish_reduce, gather_full, reduce_scatter_grads)
+from fullshard.collectives import (BufferPool, CollectiveError, PendingGather, PendingReduce, all_gather_ints,
+                                   all_reduce_tensors, finish_gather, finish_reduce, gather_full, p2p_tag,
+                                   reduce_scatter_grads)
+from fullshard.errors import FullShardError, fail
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.param import ShardedParam, shard_numel
 from fullshard.stats import Stats
@@ -72,6 +76,13 @@ class Unit:
         self.group = group
         self.config = config
         self.fqn = ""  # set by the root at lazy init, for messages and profiler labels
+        self.index = 0  # position among the root's units (lazy init): message tags, debug checks
+        self.names = [""]  # every unit's fqn by index (lazy init), for messages
+        self.step = 0  # the root's step count, for messages
+        self.timeout = timedelta(seconds=300)  # Note [named hangs]
+        self.debug = False  # check before each collective that every rank runs the same one
+        self.check_finite = False  # record non-finite reduced gradients (hooks decide what to do)
+        self.saw_nonfinite = False
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
         self.shard_numels = [shard_numel(o.param.shape, group.world) for o in owned]
@@ -140,13 +151,15 @@ class Unit:
         """Start gathering the full parameters; a no-op when full or already gathering."""
         if self.state is ShardState.FULL or self.pending is not None or self.full_flat is None:
             return
+        if self.debug:
+            self.check_agreement(0)
         self.gathering_small = self.small is not None
         source, group = (self.small, self.small_group) if self.gathering_small else (self.local_flat, self.group.shard_pg)
         with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
             self.stats.full_params(self.full_bytes)
-            self.pending = gather_full(source, group=group, dtype=self.compute_dtype,
-                                       device=self.compute_device, pool=self.pool)
+            self.pending = gather_full(source, group=group, dtype=self.compute_dtype, device=self.compute_device,
+                                       pool=self.pool, tag=p2p_tag(self.index, 0))
         if group is not None:
             self.stats.count(self.fqn, "gather", self.pending.traffic.logical, self.pending.traffic.wire)
 
@@ -158,7 +171,7 @@ class Unit:
             self.unshard()
             start = time.perf_counter()
             with torch.profiler.record_function(f"fullshard::wait gather {self.fqn}"):
-                finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool)
+                self.finish_gather()
             self.stats.wait_s += time.perf_counter() - start
             self.pending = None
             if self.gathering_small:
@@ -171,6 +184,39 @@ class Unit:
         for p in self.params:
             p.to_full()
         self.state = ShardState.FULL
+
+    def finish_gather(self) -> None:
+        try:
+            finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool,
+                          timeout=self.timeout)
+        except CollectiveError as e:
+            raise self.failed("all-gather", e) from None
+
+    def failed(self, collective: str, error: Exception) -> FullShardError:
+        """Note [named hangs]: the error a rank raises when a collective of this unit does not finish."""
+        return fail(
+            f"rank {dist.get_rank()}: the {collective} of unit {self.fqn!r} at step {self.step} did not finish "
+            f"({error})",
+            "Every rank must run the same units in the same order: another rank skipped this unit, took another "
+            "branch, or died (model.set_debug_checks(True) names where ranks part). The process group cannot go on; "
+            "restart the job (fullshard train --max-restarts N resumes from the last checkpoint).",
+        )
+
+    def check_agreement(self, kind: int, mask: int = 0) -> None:
+        """Debug checks: every rank is about to run the same collective (0: all-gather, 1: reduce-scatter,
+        with `mask` a hash of which parameters have gradients) of the same unit at the same step."""
+        mine = [self.index, kind, self.step, mask]
+        try:
+            everyone = all_gather_ints(mine, device=self.compute_device, timeout=self.timeout)
+        except CollectiveError as e:
+            raise self.failed("debug check", e) from None
+        if any(theirs != mine for theirs in everyone):
+            what = ["all-gather", "reduce-scatter"]
+            seen = "; ".join(f"rank {r}: {what[k]} of {self.names[i]!r} at step {s}" +
+                             (f" (gradient mask {m:#x})" if k else "") for r, (i, k, s, m) in enumerate(everyone))
+            raise fail(f"ranks disagree on the next collective ({seen})",
+                       "Every rank must run the same units in the same order and compute gradients for the same "
+                       "parameters while debug checks are on; make the model's control flow the same on every rank.")
 
     def gathered_numels(self) -> list[int]:
         """Elements each rank of the gathering group holds per parameter."""
@@ -197,7 +243,7 @@ class Unit:
         if not keep_small:
             self.drop_small()
         if self.pending is not None:  # a prefetch nobody used: finish it, then drop it
-            finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool)
+            self.finish_gather()
             self.pending = None
             self.state = ShardState.FULL
             if self.gathering_small:
@@ -217,8 +263,11 @@ class Unit:
         fulls = [torch.empty(p.padded_shape, dtype=self.local_flat.dtype, device=self.compute_device)
                  for p in self.params]
         pending = gather_full(self.local_flat, group=self.group.shard_pg, dtype=self.local_flat.dtype,
-                              device=self.compute_device, pool=self.pool)
-        finish_gather(pending, fulls, self.shard_numels, self.pool)
+                              device=self.compute_device, pool=self.pool, tag=p2p_tag(self.index, 0))
+        try:
+            finish_gather(pending, fulls, self.shard_numels, self.pool, timeout=self.timeout)
+        except CollectiveError as e:
+            raise self.failed("all-gather (of full parameters)", e) from None
         return [p.unpad(full) for p, full in zip(self.params, fulls)]
 
     # ---- gradients ----------------------------------------------------------------
@@ -253,13 +302,16 @@ class Unit:
         group = self.group
         numels = [p.shard_numel for p in grad_params]
         full_grads = [p.unsharded.grad for p in grad_params]
+        if self.debug:
+            self.check_agreement(1, sum(1 << i for i, g in enumerate(full_grads) if g is not None) % (1 << 62))
         self.count_full_grads()
         shard = torch.empty(sum(numels) + len(numels), dtype=self.reduce_dtype,
                             device=self.compute_device)  # [grad_shard_numel + n_flags]
         replicate = group.replicate_pg if self.all_reduce_grads and not self.owes_all_reduce else None
         with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
             pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, replicate),
-                                           dp_size=group.dp_size, shard=shard, pool=self.pool)
+                                           dp_size=group.dp_size, shard=shard, pool=self.pool,
+                                           tag=p2p_tag(self.index, 1))
             for p in grad_params:
                 p.unsharded.grad = None
             del full_grads
@@ -277,7 +329,12 @@ class Unit:
         self.pending_reduce = None
         start = time.perf_counter()
         with torch.profiler.record_function(f"fullshard::wait reduce {self.fqn}"):
-            shard = finish_reduce(pending, self.pool)  # [grad_shard_numel + n_flags]
+            try:
+                shard = finish_reduce(pending, self.pool, timeout=self.timeout)  # [grad_shard_numel + n_flags]
+            except CollectiveError as e:
+                raise self.failed("reduce-scatter", e) from None
+        if self.check_finite and not bool(torch.isfinite(shard).all()):
+            self.saw_nonfinite = True
         self.stats.wait_s += time.perf_counter() - start
         for kind, traffic in pending.traffic:
             self.stats.count(self.fqn, kind, traffic.logical, traffic.wire)
@@ -302,5 +359,9 @@ class Unit:
         for p in grad_params:  # every replica sends the same layout; a missing gradient is zero
             if p.sharded.grad is None:
                 p.accumulate_grad(torch.zeros(p.local_shape, dtype=p.sharded.dtype, device=self.local_flat.device))
-        traffic = all_reduce_tensors([p.sharded.grad.to_local() for p in grad_params], group=self.group.replicate_pg)
+        try:
+            traffic = all_reduce_tensors([p.sharded.grad.to_local() for p in grad_params], group=self.group.replicate_pg,
+                                         timeout=self.timeout)
+        except CollectiveError as e:
+            raise self.failed("all-reduce across replicas", e) from None
         self.stats.count(self.fqn, "all_reduce", traffic.logical, traffic.wire)

@@ -1,0 +1,276 @@
+"""Reliability: killed ranks, hangs turned into named errors, silent-wrong-result guards, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fullshard
+from fullshard import FullShardError
+from fullshard.gpt import GPT, Block, GPTConfig
+from tests.models import SEQ, VOCAB, tiny_gpt, token_batch
+from tests.reference import full_state, global_batches, local_slice, make_optimizer, max_diff, train
+from tests.test_cli import TINY, fullshard as fullshard_cli, kill_all, metrics
+from tests.world import World
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except FullShardError as e:
+        return str(e)
+    return ""
+
+
+# ---- killed ranks -------------------------------------------------------------------------
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The rank processes under a `fullshard train` launcher."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"fullshard.cli" in cmdline.read_bytes() and int(cmdline.parent.name) != pid:
+                stat = Path(cmdline.parent, "stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[1]) == pid:
+                    found.append(int(cmdline.parent.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_killed_ranks_restart_and_finish_like_an_uninterrupted_run(tmp_path):
+    args = [*TINY, "--steps", "40", "--ckpt-interval", "5"]
+    straight = fullshard_cli("train", *args, "--out", str(tmp_path / "straight"))
+    straight.communicate(timeout=300)
+    assert straight.returncode == 0
+    out = tmp_path / "killed"
+    run = fullshard_cli("train", *args, "--max-restarts", "3", "--out", str(out))
+    rng, kills = random.Random(1), 0
+    for at_step in (8, 19, 31):  # each kill lands at a random moment after this step: maybe mid-save
+        while run.poll() is None and not (out / "metrics.jsonl").is_file() or \
+                run.poll() is None and max((json.loads(line).get("step", 0) for line in
+                                            (out / "metrics.jsonl").read_text().splitlines()), default=0) < at_step:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))
+        ranks = ranks_of(run.pid)
+        if run.poll() is None and ranks:
+            os.kill(rng.choice(ranks), signal.SIGKILL)
+            kills += 1
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert kills == 3
+    got, want = metrics(out), metrics(tmp_path / "straight")
+    assert [r["step"] for r in got] == [r["step"] for r in want]  # every step once, none lost
+    assert [r.get("loss") for r in got] == [r.get("loss") for r in want]  # bit for bit, data order included
+    assert got[-1]["val_loss"] == want[-1]["val_loss"]
+
+
+# ---- hangs become errors that name the place --------------------------------------------
+
+
+class SkippingGPT(GPT):
+    """A GPT in which one rank skips a block, as a data-dependent branch might."""
+
+    skip: int | None = None
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for i, block in enumerate(self.h):
+            if i != self.skip:
+                x = block(x)
+        logits = torch.nn.functional.linear(self.ln_f(x), self.wte.weight)
+        return torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1))
+
+
+def divergence_job(debug: bool) -> dict:
+    torch.manual_seed(0)
+    model = SkippingGPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=3, n_head=2, n_embd=30))
+    fullshard.shard_model(model, wrap={Block})
+    model.set_timeout(3)
+    model.set_debug_checks(debug)
+    batch = local_slice(global_batches(token_batch, 1, 8)[0], dist.get_rank(), dist.get_world_size())
+    model(*batch).backward()  # step 1: every rank alike
+    model.skip = 1 if dist.get_rank() == 1 else None  # step 2: rank 1 skips block h.1
+    start = time.monotonic()
+    message = error_of(lambda: model(*batch).backward())
+    return {"message": message, "seconds": time.monotonic() - start}
+
+
+def test_a_rank_skipping_a_unit_fails_every_rank_naming_the_unit():
+    world = World(2)  # a fresh world: these jobs leave their process group unusable, as they say
+    try:
+        debug = world.run(divergence_job, debug=True)
+        hang = world.run(divergence_job, debug=False)
+    finally:
+        world.close()
+    # debug checks: both ranks learn at once what each was about to do
+    for got in debug:
+        assert "rank 0: all-gather of 'h.1' at step 2" in got["message"]
+        assert "rank 1: all-gather of 'h.2' at step 2" in got["message"]
+        assert got["seconds"] < 3
+    # without them: each rank waits for its own unit's messages and fails after the timeout
+    assert "all-gather of unit 'h.1' at step 2 did not finish" in hang[0]["message"]
+    assert "all-gather of unit 'h.2' at step 2 did not finish" in hang[1]["message"]
+    for got in hang:
+        assert 3 <= got["seconds"] < 10
+
+
+# ---- silent-wrong-result guards ---------------------------------------------------------
+
+
+def nonfinite_job(policy: str) -> dict:
+    torch.manual_seed(0)
+    model = fullshard.shard_model(tiny_gpt(), wrap={Block})
+    model.set_nonfinite_grads(policy)
+    opt = make_optimizer("adamw", model)
+    batches = global_batches(token_batch, 2, 8)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train(model, opt, batches[:1], lambda m, b: m(*b), world=world)
+    before = full_state(model)
+    loss = model(*local_slice(batches[1], rank, world))
+    if rank == 1:
+        loss = loss * float("nan")
+    message = error_of(loss.backward)
+    opt.step()
+    opt.zero_grad()
+    return {"message": message, "changed": max_diff(full_state(model), before),
+            "skipped": fullshard.stats(model).skipped_steps}
+
+
+def test_nonfinite_gradients_raise_or_skip_on_every_rank(world2):
+    for got in world2.run(nonfinite_job, policy="raise"):
+        assert "is not finite" in got["message"] and "at step 2" in got["message"]
+    for got in world2.run(nonfinite_job, policy="skip"):
+        assert got["message"] == "" and got["changed"] == 0.0 and got["skipped"] == 1
+
+
+def disagree_job() -> str:
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    if dist.get_rank() == 1:
+        model.h[0].ln_1.weight.requires_grad_(False)
+    return error_of(lambda: fullshard.shard_model(model, wrap={Block}))
+
+
+def test_ranks_that_would_shard_different_parameters_are_refused(world2):
+    for message in world2.run(disagree_job):
+        assert "ranks would shard different parameters" in message and "ln_1.weight" in message
+
+
+def load_reaches_compute_job(path: str) -> list[float]:
+    """After load, the next forward computes with the loaded values, even in units that were
+    kept full (the root and last block after a forward without backward; units with
+    reshard_after_backward off)."""
+    batches = global_batches(token_batch, 3, 8)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    saved = fullshard.shard_model(tiny_gpt(), wrap={Block})
+    train(saved, make_optimizer("adamw", saved), batches[:2], lambda m, b: m(*b), world=world)
+    fullshard.save(path, saved)
+    x = local_slice(batches[2], rank, world)
+    with torch.no_grad():
+        want = saved(x[0])
+    diffs = []
+    for keep in ("forward without backward", "reshard_after_backward off"):
+        torch.manual_seed(5)
+        model = fullshard.shard_model(tiny_gpt(), wrap={Block})
+        if keep == "forward without backward":
+            model(*x)
+            model(*x)  # the second forward keeps the last block full too
+        else:
+            model.set_reshard_after_backward(False)
+            model(*x).backward()
+        fullshard.load(path, model)
+        with torch.no_grad():
+            diffs.append((model(x[0]) - want).abs().max().item())
+    return diffs
+
+
+def test_a_loaded_checkpoint_reaches_the_compute_copy(world2, tmp_path):
+    for diffs in world2.run(load_reaches_compute_job, path=str(tmp_path / "ckpt")):
+        assert diffs == [0.0, 0.0]
+
+
+class Payload:
+    """Pickles as a call to os.system: what a malicious checkpoint would hide in its metadata."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def corrupt_job(root: str) -> dict:
+    torch.manual_seed(0)
+    model = fullshard.shard_model(tiny_gpt(), wrap={Block})
+    good, bad, evil = Path(root, "good"), Path(root, "bad"), Path(root, "evil")
+    fullshard.save(good, model)
+    fullshard.save(bad, model)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shard = next(fullshard.checkpoint_dir(bad).glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
+        shutil.copytree(fullshard.checkpoint_dir(good), evil)
+        (evil / ".metadata").write_bytes(pickle.dumps(Payload(str(Path(root, "pwned")))))
+    dist.barrier()
+    return {"truncated": error_of(lambda: fullshard.load(bad, model)),
+            "evil": error_of(lambda: fullshard.load(evil, model)),
+            "ran code": Path(root, "pwned").exists(),
+            "good still loads": error_of(lambda: fullshard.load(good, model)) == ""}
+
+
+def test_corrupted_and_malicious_checkpoints_are_refused(world2, tmp_path):
+    for got in world2.run(corrupt_job, root=str(tmp_path)):
+        assert "could not be read" in got["truncated"]
+        assert "could not be read" in got["evil"] and "system has no place in checkpoint metadata" in got["evil"]
+        assert not got["ran code"] and got["good still loads"]
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+def bad_input_job() -> dict:
+    torch.manual_seed(0)
+    model = fullshard.shard_model(tiny_gpt(), wrap={Block})
+    before = full_state(model)
+    calls = {
+        "clip max_norm": lambda: fullshard.clip_grad_norm_(model, -1.0),
+        "clip norm_type": lambda: fullshard.clip_grad_norm_(model, 1.0, norm_type="two"),
+        "full_params flag": lambda: fullshard.full_params(model, writeback="yes").__enter__(),
+        "state dict flag": lambda: fullshard.get_state_dict(model, full="yes"),
+        "state dict optimizer": lambda: fullshard.get_state_dict(model, optimizer="adam"),
+        "sharded rank0_only": lambda: fullshard.get_state_dict(model, full=False, rank0_only=True),
+        "set_state_dict": lambda: fullshard.set_state_dict(model, model_sd=[1, 2]),
+        "init_weights_from": lambda: fullshard.init_weights_from(model, "weights.pt"),
+        "save path": lambda: fullshard.save(None, model),
+        "save step": lambda: fullshard.save("x", model, step="ten"),
+        "load path": lambda: fullshard.load(3, model),
+        "export path": lambda: fullshard.export(model, None),
+        "timeout": lambda: model.set_timeout(0),
+        "nonfinite": lambda: model.set_nonfinite_grads("ignore"),
+        "prefetch list": lambda: model.h[0].set_modules_to_forward_prefetch([torch.nn.Linear(1, 1)]),
+    }
+    out = {name: error_of(call) for name, call in calls.items()}
+    out["unchanged"] = max_diff(full_state(model), before) == 0.0
+    return out
+
+
+def test_bad_input_to_every_public_function_is_refused_before_anything_changes(world2):
+    for got in world2.run(bad_input_job):
+        assert got.pop("unchanged")
+        for name, message in got.items():
+            assert message, f"{name}: no FullShardError"
