@@ -2,6 +2,7 @@
 
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard
 from fullshard.errors import FullShardError
+from fullshard.planner import Hardware, Plan, apply_plan, plan
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.state_dict import (checkpoint_dir, export, get_state_dict, init_weights_from, load, save,
                                   set_state_dict)
@@ -14,9 +15,12 @@ __all__ = [
     "FSDPModule",
     "FullShardError",
     "GradScaler",
+    "Hardware",
     "MixedPrecisionPolicy",
+    "Plan",
     "Stats",
     "UnshardHandle",
+    "apply_plan",
     "checkpoint_dir",
     "clip_grad_norm_",
     "export",
@@ -26,6 +30,7 @@ __all__ = [
     "init_weights_from",
     "load",
     "no_sync",
+    "plan",
     "save",
     "set_state_dict",
     "shard_model",

@@ -181,8 +181,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(impl: str, preset: str, dtype: str, steps: int, warmup: int) -> dict:
-    """One fresh run; a run that crashes is tried once more (torch's FSDP1 sometimes aborts
-    in its teardown on gloo) and the retry is reported."""
+    """One fresh run; a run that crashes is tried once more and the retry is reported (a
+    gloo process group freed during the interpreter's shutdown aborts now and then; since
+    Note [exit] in fullshard/mesh.py no run here has)."""
     try:
         return launch_once(impl, preset, dtype, steps, warmup)
     except RuntimeError as e:

@@ -61,6 +61,9 @@ class TrainConfig:
     timeout: float = opt(300.0, "seconds a collective may wait before failing with an error naming the unit")
     nonfinite: str = opt("raise", "an inf/NaN gradient: 'raise' (stop, naming the unit and step), 'skip' the step, 'off'")
     debug_checks: bool = opt(False, "check before every collective that all ranks run the same one (slower)")
+    plan: str = opt("off", "'auto': let fullshard.plan choose wrap, strategy, limit, precision and checkpointing "
+                           "for --memory-budget (overrides those options)")
+    memory_budget: str = opt("", "bytes per rank for --plan auto, e.g. 2GiB or 500MB")
     oversubscribe: bool = opt(False, "allow more ranks than CPU cores")
     seed: int = opt(0, "seed for initialization and data order")
     out: str = opt("runs/gpt", "directory for metrics.jsonl, loss.png and checkpoint/")
@@ -110,9 +113,27 @@ def problem(cfg: TrainConfig) -> str | None:
             return f"--{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}"
     if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.clip < 0 or cfg.weight_decay < 0:
         return "--lr must be positive; --min-lr, --clip and --weight-decay must not be negative"
+    if cfg.plan not in ("off", "auto"):
+        return f"unknown --plan {cfg.plan!r}; choose off or auto"
+    if cfg.plan == "auto" and parse_bytes(cfg.memory_budget) is None:
+        return f"--plan auto needs --memory-budget as a size like 2GiB or 500MB, got {cfg.memory_budget!r}"
     if cfg.data is not None and not Path(cfg.data).exists():
         return f"--data {cfg.data}: no such file or directory"
     return None
+
+
+def parse_bytes(text: str) -> int | None:
+    """'2GiB', '1.5G', '500MB', '4096' -> bytes; None if it is not a size."""
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+             "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+    number = text.strip().upper()
+    digits = number.rstrip("KMGTIB")
+    try:
+        value = float(digits)
+    except ValueError:
+        return None
+    unit = number[len(digits):].strip()
+    return int(value * units[unit]) if unit in units and value > 0 else None
 
 
 def local_ranks(cfg: TrainConfig) -> int:
@@ -137,7 +158,25 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(train_parser)
     commands.add_parser("bench", help="fullshard vs torch FSDP2, FSDP1, DDP (arguments: fullshard bench --help)",
                         add_help=False)
+    plan_parser = commands.add_parser("plan", help="predict memory, traffic and step time of every sharding of a "
+                                      "GPT and choose one for a memory budget",
+                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    plan_parser.add_argument("--preset", default="small", help="model size: tiny, small, 15m, 100m")
+    plan_parser.add_argument("--n-layer", type=int, help="override the preset's number of blocks")
+    plan_parser.add_argument("--n-embd", type=int, help="override the preset's width")
+    plan_parser.add_argument("--n-head", type=int, help="override the preset's heads")
+    plan_parser.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+    plan_parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    plan_parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
+    plan_parser.add_argument("--world-size", type=int, default=2, help="ranks")
+    plan_parser.add_argument("--memory-budget", default="2GiB", help="bytes per rank, e.g. 2GiB")
+    plan_parser.add_argument("--hardware", default="cpu", help="cpu, a100 or h100 (fullshard.planner.HARDWARE)")
+    plan_parser.add_argument("--optimizer", default="adamw", help="adamw, sgd or none")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "plan":
+        if rest:
+            return fatal(f"unrecognized arguments: {' '.join(rest)}")
+        return plan_command(args)
     if args.command == "bench":
         from fullshard.bench import main as bench
 
@@ -165,6 +204,35 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.global_batch % (nproc * cfg.grad_accum):
         return fatal(f"--global-batch {cfg.global_batch} must divide into {nproc} ranks x {cfg.grad_accum} micro-batches")
     return launch(nproc, cfg.max_restarts, argv if argv is not None else sys.argv[1:])
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """`fullshard plan`: the candidates as a table, and the chosen one."""
+    import torch
+
+    import fullshard
+    from fullshard.errors import FullShardError
+    from fullshard.gpt import GPT, PRESETS, GPTConfig
+
+    if args.preset not in PRESETS:
+        return fatal(f"unknown --preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    budget = parse_bytes(args.memory_budget)
+    if budget is None:
+        return fatal(f"--memory-budget must be a size like 2GiB or 500MB, got {args.memory_budget!r}")
+    dims = {**PRESETS[args.preset], **{k: v for k in ("n_layer", "n_embd", "n_head") if (v := getattr(args, k))}}
+    with torch.device("meta"):
+        model = GPT(GPTConfig(block_size=args.seq_len, vocab_size=args.vocab, **dims))
+    try:
+        plan = fullshard.plan(model, world_size=args.world_size, memory_budget=budget, batch=args.batch,
+                              seq=args.seq_len, hardware=args.hardware, optimizer=args.optimizer)
+    except FullShardError as e:
+        return fatal(str(e))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"GPT {dims}, {params / 1e6:.1f}M parameters; world {args.world_size}, batch {args.batch} x {args.seq_len} "
+          f"per rank; {plan.hardware.name}; budget {budget / 2**20:.0f} MB per rank\n")
+    print(plan.table())
+    print("\n" + plan.explain())
+    return 0
 
 
 def fatal(message: str) -> int:
@@ -310,12 +378,20 @@ def train(cfg: TrainConfig) -> int:
         model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
     n_params = sum(p.numel() for p in model.parameters())
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-    fullshard.shard_model(
-        model, wrap={Block} if cfg.wrap == "block" else None if cfg.wrap == "none" else int(cfg.wrap),
-        strategy=cfg.strategy, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=low) if low else None,
-        offload_policy=fullshard.CPUOffloadPolicy() if cfg.cpu_offload else None,
-        backward_prefetch=None if cfg.backward_prefetch == "none" else cfg.backward_prefetch,
-        forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None)
+    if cfg.plan == "auto":  # let the planner choose, for this world and budget
+        plan = fullshard.plan(model, world_size=world, memory_budget=parse_bytes(cfg.memory_budget),
+                              batch=cfg.global_batch // world // cfg.grad_accum, seq=cfg.seq_len,
+                              hardware="a100" if cuda else "cpu")
+        fullshard.apply_plan(model, plan)
+        if main_rank:
+            print(plan.explain(), flush=True)
+    else:
+        fullshard.shard_model(
+            model, wrap={Block} if cfg.wrap == "block" else None if cfg.wrap == "none" else int(cfg.wrap),
+            strategy=cfg.strategy, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=low) if low else None,
+            offload_policy=fullshard.CPUOffloadPolicy() if cfg.cpu_offload else None,
+            backward_prefetch=None if cfg.backward_prefetch == "none" else cfg.backward_prefetch,
+            forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None)
     model.set_timeout(cfg.timeout)
     model.set_debug_checks(cfg.debug_checks)
     model.set_nonfinite_grads(None if cfg.nonfinite == "off" else cfg.nonfinite)

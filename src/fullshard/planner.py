@@ -1,0 +1,380 @@
+"""Plan before you run: predict a sharding's memory and traffic per rank, and pick one for a budget.
+
+# Note [planner]: the model is a meta-device model, so nothing is allocated. Its
+# structure gives each candidate's units (wrap.choose_units, as shard_model would make
+# them); one forward on fake tensors under saved_tensors_hooks gives the activation
+# bytes autograd keeps for backward (per precision, with and without activation
+# checkpointing). Memory per rank is then counted the way fullshard allocates: shards,
+# optimizer state and sharded gradients, the full parameters in flight (root, the unit
+# computing, the kept last unit, `limit_all_gathers` ahead), communication buffers, one
+# unit's full gradients, and activations. Bytes sent per step are those fullshard.stats
+# counts, exactly. Step time is compute (6 flops per parameter per token, 8 with
+# recomputation) plus communication at the hardware's bandwidths, overlapped where the
+# hardware overlaps them. With CPU offload (GPUs only) the shards, gradients and optimizer
+# state leave device memory; each gather copies a shard in and each reduce-scatter a
+# gradient shard out over the host link, and the optimizer step runs on the host.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fullshard.errors import fail, require
+from fullshard.param import shard_numel
+from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.wrap import choose_units, shard_model
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one rank can do: sustained compute, link bandwidths, and whether comm overlaps compute."""
+
+    name: str
+    flops: dict[str, float]  # sustained FLOP/s per rank by compute precision
+    intra_bw: float  # bytes/s a rank sends to ranks in its node
+    cross_bw: float  # bytes/s a rank's network interface sends to other nodes
+    latency: float  # seconds per step of a ring collective (a collective over n ranks takes n - 1 steps)
+    overlap: bool  # communication hides behind compute (GPUs) or competes for the same cores (CPU ranks)
+    ranks_per_node: int
+    memory: float  # bytes per rank
+    runtime: dict[str, int]  # bytes a rank's runtime holds besides tensors (kernel caches, autograd, comm), by precision
+    device: str = "cuda"  # activations are measured as this device's kernels would save them
+    host_bw: float = 0.0  # bytes/s between host and device memory per rank (CPU offload; 0: no offload candidates)
+    host_optimizer: float = 0.0  # parameters/s the host's optimizer step updates per rank (CPU offload)
+    host_memory: float = 0.0  # bytes of host memory per rank that offloading may fill
+
+
+HARDWARE = {
+    # this repository's CPU machine, fitted to measured steps (docs/planner.md): one core per rank, loopback TCP
+    "cpu": Hardware("cpu", {"fp32": 60e9, "bf16": 125e9}, intra_bw=0.8e9, cross_bw=0.8e9, latency=4e-4,
+                    overlap=False, ranks_per_node=2, memory=12 * 2**30, runtime={"fp32": 50 << 20, "bf16": 62 << 20},
+                    device="cpu"),
+    # On paper (docs/planner.md): datasheet peaks x 0.6 (fp32 without TF32, PyTorch's default); NVLink
+    # inside a node, one 200 (A100) or 400 (H100) Gb/s InfiniBand port per GPU; 3 us per ring step,
+    # NVLink and network hops averaged 7:1
+    "a100": Hardware("a100-80gb", {"fp32": 19.5e12 * 0.6, "bf16": 312e12 * 0.6}, intra_bw=240e9, cross_bw=23e9,
+                     latency=3e-6, overlap=True, ranks_per_node=8, memory=80e9,
+                     runtime={"fp32": 2 << 30, "bf16": 2 << 30},  # CUDA context, NCCL buffers, fragmentation
+                     host_bw=20e9, host_optimizer=1e9, host_memory=1e12 / 8),  # PCIe 4; a fused CPU Adam; 1 TB/node
+    "h100": Hardware("h100-80gb", {"fp32": 67e12 * 0.6, "bf16": 989e12 * 0.6}, intra_bw=360e9, cross_bw=46e9,
+                     latency=3e-6, overlap=True, ranks_per_node=8, memory=80e9,
+                     runtime={"fp32": 2 << 30, "bf16": 2 << 30}, host_bw=40e9, host_optimizer=1e9,
+                     host_memory=2e12 / 8),  # PCIe 5; 2 TB per node
+}
+
+
+@dataclass
+class Candidate:
+    """One way to shard the model, with what it is predicted to cost per rank and step."""
+
+    wrap: str  # "blocks" (each instance of the model's repeated block class) or "none"
+    strategy: str
+    limit_all_gathers: int
+    precision: str  # "fp32" or "bf16" (compute; masters stay fp32)
+    checkpointing: bool  # activation checkpointing of each block
+    offload: bool = False  # shards, gradients and optimizer state in host memory, the optimizer step on the host
+    memory: dict[str, int] = field(default_factory=dict)  # bytes per rank, by part, at the peak
+    host: int = 0  # host memory per rank that offloading takes
+    peak: int = 0
+    sent_intra: int = 0  # bytes a rank sends per step inside its shard group
+    sent_cross: int = 0  # across replicas
+    collectives: int = 0
+    step_s: float = 0.0
+    fits: bool = False
+
+    def row(self) -> str:
+        return (f"| {self.wrap} | {self.strategy} | {self.limit_all_gathers} | {self.precision} | "
+                f"{'yes' if self.checkpointing else 'no'} | {'yes' if self.offload else 'no'} | {self.peak / 2**20:.0f} | {self.sent_intra / 2**20:.1f} | "
+                f"{self.sent_cross / 2**20:.1f} | {self.step_s:.3f} | {'yes' if self.fits else 'no'} |")
+
+
+@dataclass
+class Plan:
+    """The chosen candidate, every candidate considered, and why."""
+
+    chosen: Candidate
+    candidates: list[Candidate]
+    world_size: int
+    memory_budget: int
+    hardware: Hardware
+    block: type | None  # the repeated block class ("blocks" wraps its instances)
+
+    def table(self) -> str:
+        head = ("| wrap | strategy | limit | precision | checkpointing | offload | peak MB/rank | sent in group MB | "
+                "sent across MB | step s | fits |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        return head + "\n" + "\n".join(c.row() for c in self.candidates)
+
+    def explain(self) -> str:
+        c = self.chosen
+        parts = ", ".join(f"{k} {v / 2**20:.0f} MB" for k, v in c.memory.items() if v)  # parts, not all at once
+        return (f"chosen: wrap={c.wrap}, strategy={c.strategy}, limit_all_gathers={c.limit_all_gathers}, "
+                f"precision={c.precision}, checkpointing={'on' if c.checkpointing else 'off'}, "
+                f"offload={'on' if c.offload else 'off'}: the fastest predicted "
+                f"step ({c.step_s:.3f} s on {self.hardware.name}) of the {sum(x.fits for x in self.candidates)} "
+                f"candidates within {self.memory_budget / 2**20:.0f} MB per rank; peak {c.peak / 2**20:.0f} MB ({parts})")
+
+
+# ---- measuring the model on meta ----------------------------------------------------------
+
+
+def repeated_block(model: nn.Module) -> type | None:
+    """The class of the model's repeated blocks (GPT's Block, Llama's decoder layer, T5's
+    block): the one a transformers model names in `_no_split_modules`; else, of the repeated
+    classes with submodules holding at least half as many parameters as the largest such
+    class, the most repeated, then the largest (a block, not its MLP or attention)."""
+    instances: dict[type, list[int]] = {}
+    for module in model.modules():
+        if module is not model and next(module.children(), None) is not None \
+                and not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            instances.setdefault(type(module), []).append(sum(p.numel() for p in module.parameters()))
+    repeated = {cls: (len(n), sum(n)) for cls, n in instances.items() if len(n) >= 2 and sum(n)}
+    declared = {cls: key for cls, key in repeated.items()  # a transformers model names its blocks
+                if cls.__name__ in (getattr(model, "_no_split_modules", None) or ())}
+    if declared:
+        return max(declared, key=declared.get)
+    largest = max((total for _, total in repeated.values()), default=0)
+    blocks = {cls: key for cls, key in repeated.items() if 2 * key[1] >= largest}
+    return max(blocks, key=blocks.get) if blocks else None
+
+
+def example_inputs(model: nn.Module, batch: int, seq: int, device: torch.device) -> tuple[tuple, dict]:
+    """Token ids (and targets), as a causal language model takes them."""
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" in params:
+        return (), {"input_ids": ids, "labels": ids}
+    return (ids, ids), {}
+
+
+def activation_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, block: type | None,
+                     checkpointing: bool, device: str) -> int:
+    """Bytes autograd saves for backward in one forward of one rank's micro-batch, plus with
+    checkpointing one block's recomputed activations.
+
+    The forward runs on fake tensors that claim to be on `device` (nothing is allocated),
+    so kernels are chosen as on that device: attention saves what a flash kernel saves
+    (inputs, output, log-sum-exp), not the math path's probabilities that meta tensors
+    would pick. Where `device` is not available here (CUDA on a machine without GPUs)
+    fake CPU tensors stand in: CPU's flash attention saves the same tensors as CUDA's.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    probe = copy.deepcopy(model)
+    blocks = [m for m in probe.modules() if block is not None and type(m) is block]
+    if checkpointing:
+        for m in blocks:
+            m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
+    saved: dict[int, int] = {}
+    usable = device == "cpu" or (device == "cuda" and torch.cuda.is_available())  # else autograd aborts
+    with FakeTensorMode():
+        total = _saved_bytes(probe, batch, seq, dtype, torch.device(device if usable else "cpu"), saved)
+    if checkpointing and blocks:  # backward recomputes one block at a time
+        total += (activation_bytes(model, batch, seq, dtype, block, False, device) - total) // len(blocks)
+    return total
+
+
+def _saved_bytes(probe: nn.Module, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
+                 saved: dict[int, int]) -> int:
+    """Run `probe`'s forward on empty tensors on `device`, counting the storages autograd saves."""
+    for module in probe.modules():
+        for key, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is None:
+                continue
+            kind = dtype if t.is_floating_point() else t.dtype
+            new = torch.empty(t.shape, dtype=kind, device=device)
+            if key in module._parameters:
+                module._parameters[key] = nn.Parameter(new, requires_grad=t.requires_grad)
+            else:
+                module._buffers[key] = new
+    params = {p.untyped_storage()._cdata for p in probe.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    args, kwargs = example_inputs(probe, batch, seq, device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        probe(*args, **kwargs)
+    return sum(saved.values())
+
+
+# ---- the cost of a candidate ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    numel: int  # real parameter elements
+    shards: list[torch.Size]  # each parameter's shape
+    trainable: int  # parameters with requires_grad (each has a has-gradient flag)
+
+
+def units_of_plan(model: nn.Module, wrap: str, block: type | None) -> list[UnitShape]:
+    """The units shard_model would make, in forward order (the root first): each owns the
+    parameters under it that no unit below it owns (tied ones go to the common ancestor)."""
+    chosen = choose_units(model, {block} if wrap == "blocks" and block is not None else None)  # bottom-up
+    owned: dict[nn.Module, list[nn.Parameter]] = {}
+    taken: set[nn.Parameter] = set()
+    for module, exclude in chosen:
+        params = [p for p in dict.fromkeys(module.parameters()) if p not in taken and not any(p is q for q in exclude)]
+        taken.update(params)
+        owned[module] = params
+    return [UnitShape(sum(p.numel() for p in owned[m]), [p.shape for p in owned[m]],
+                      sum(p.requires_grad for p in owned[m])) for m, _ in reversed(chosen)]
+
+
+def cost(c: Candidate, units: list[UnitShape], *, world: int, ranks_per_node: int, acts: int, optimizer_states: int,
+         hardware: Hardware, tokens: int, param_count: int) -> Candidate:
+    """Fill in `c`'s predicted memory, traffic and step time (Note [planner])."""
+    F = {"full_shard": world, "shard_grad_op": world, "no_shard": 1,
+         "hybrid_shard": math.gcd(world, ranks_per_node)}[c.strategy]
+    R = world // F
+    master, compute = 4, (2 if c.precision == "bf16" else 4)
+    reduce_ = compute
+    shard = [sum(shard_numel(s, F) for s in u.shards) for u in units]  # elements per rank
+    rows = [n + u.trainable for n, u in zip(shard, units)]  # + has-gradient flags
+    full = [F * n * compute for n in shard]  # a unit's full storage
+    blocks = full[1:] or full
+    big = max(blocks)
+    S = sum(shard) * master
+    separate_full = F > 1 or compute != master  # else the full parameters are the shards themselves
+    keep_all = c.strategy in ("shard_grad_op", "no_shard")
+    kept = (sum(full) if keep_all else full[0] + big) if separate_full else 0  # from forward to backward
+    ahead = 0 if keep_all or not separate_full else min(len(blocks), c.limit_all_gathers) * big
+    staged = big // F if compute != master or c.offload else 0  # the shard cast or copied to the device
+    # gathers in flight: the peers' rows and the staged shard
+    pending = min(len(blocks), c.limit_all_gathers) * (big * (F - 1) // F + staged) \
+        if separate_full and not keep_all else 0
+    unit_grads = max(u.numel for u in units) * compute  # the first unit's full gradients in backward
+    runtime = hardware.runtime[c.precision]
+    # the peak is where backward starts (activations all alive) or where it ends (all gradients);
+    # offloaded, shards, gradients and optimizer state are in host memory instead
+    on_device = 0 if c.offload else 1
+    backward_start = acts + kept + ahead + pending + unit_grads
+    backward_end = on_device * S + kept
+    c.memory = {"runtime": runtime, "shards": on_device * S, "optimizer": on_device * optimizer_states * S,
+                "activations": acts, "full parameters": kept + ahead, "buffers": pending + unit_grads,
+                "gradients": on_device * S}
+    c.peak = runtime + on_device * (S + optimizer_states * S) + max(backward_start, backward_end)
+    c.host = (1 - on_device) * (2 + optimizer_states) * S
+    # traffic: what fullshard.stats counts
+    gathers = [1] + [1 if keep_all or i == len(units) - 1 else 2 for i in range(1, len(units))] \
+        if len(units) > 1 else [1]
+    c.sent_intra = sum(g * (F - 1) * n * compute for g, n in zip(gathers, shard)) + \
+        sum((F - 1) * r * reduce_ for r in rows) if F > 1 else 0
+    c.sent_cross = sum(2 * (R - 1) * r * reduce_ // R for r in rows) if R > 1 else 0
+    c.collectives = (sum(gathers) + len(units) if F > 1 else 0) + (len(units) if R > 1 else 0)
+    flops = (8 if c.checkpointing else 6) * param_count * tokens
+    compute_s = flops / hardware.flops[c.precision]
+    # a ring spanning nodes leaves each node once per ring, and there are as many rings as the
+    # node has interfaces: a rank's bytes move at the node's network bandwidth, or NVLink's if
+    # lower. Replicas of a hybrid shard group are a ring of one rank per node: every hop leaves.
+    spanning_bw = min(hardware.intra_bw, ranks_per_node * hardware.cross_bw)
+    group_bw = hardware.intra_bw if F <= ranks_per_node else spanning_bw
+    replica_bw = hardware.intra_bw if world <= ranks_per_node else spanning_bw if F == 1 else hardware.cross_bw
+    comm_s = (c.sent_intra / group_bw + (sum(gathers) + len(units)) * (F - 1) * hardware.latency if F > 1 else 0) + \
+        (c.sent_cross / replica_bw + len(units) * 2 * (R - 1) * hardware.latency if R > 1 else 0)
+    host_s = optimizer_s = 0.0
+    if c.offload:  # each gather copies a shard in, each reduce-scatter a gradient shard out; the host steps
+        host_s = (sum(g * n * master for g, n in zip(gathers, shard)) + sum(r * reduce_ for r in rows)) / hardware.host_bw
+        optimizer_s = sum(shard) / hardware.host_optimizer
+    if hardware.overlap:  # all but the first gather and the last reduction hide behind compute
+        c.step_s = max(compute_s, comm_s, host_s) + 2 * max(comm_s, host_s) / max(c.collectives, 1) + optimizer_s
+    else:
+        c.step_s = compute_s + comm_s + host_s + optimizer_s
+    return c
+
+
+def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch: int, seq: int,
+         optimizer: str = "adamw", hardware: str | Hardware = "cpu", precisions: tuple[str, ...] = ("fp32", "bf16"),
+         strategies: tuple[str, ...] | None = None) -> Plan:
+    """Predict, for every candidate sharding, the per-rank peak memory, the bytes sent per step
+    and the step time, and choose the fastest that fits `memory_budget`.
+
+    Nothing is allocated: `model` must be built on the meta device. Candidates combine wrap
+    granularity (each repeated block or the whole model), strategy, ``limit_all_gathers``
+    (1 or 2), compute precision, activation checkpointing of each block and, on GPUs, CPU
+    offload (``memory_budget`` is then device memory; ``Candidate.host`` the host memory).
+
+    Args:
+        model: a meta-device model (``with torch.device("meta"): model = Net()``).
+        world_size: ranks the job will run on.
+        memory_budget: bytes per rank the peak must stay within.
+        batch: sequences per rank per micro-batch.
+        seq: tokens per sequence.
+        optimizer: ``"adamw"`` (2 states per parameter), ``"sgd"`` (momentum: 1) or ``"none"``.
+        hardware: ``"cpu"``, ``"a100"``, ``"h100"`` or a :class:`Hardware`.
+        precisions: compute precisions to consider.
+        strategies: strategies to consider (default: all that apply to the world size).
+
+    Returns:
+        A :class:`Plan`: ``chosen``, ``candidates`` (``table()``), ``explain()``.
+
+    Raises:
+        FullShardError: on a model that is not on meta, bad arguments, or a budget nothing
+            fits (saying the smallest peak any candidate needs).
+    """
+    require(all(p.is_meta for p in model.parameters()), "plan() needs a model built on the meta device",
+            "Build it under `with torch.device('meta'):`; nothing is allocated while planning.")
+    require(isinstance(world_size, int) and world_size >= 1, f"world_size={world_size!r} must be a positive int",
+            "Pass the number of ranks, e.g. 8.")
+    require(isinstance(memory_budget, (int, float)) and memory_budget > 0,
+            f"memory_budget={memory_budget!r} must be a positive number of bytes", "Pass e.g. 2 * 2**30.")
+    require(optimizer in ("adamw", "sgd", "none"), f"optimizer={optimizer!r} is not one of adamw, sgd, none",
+            "Pass the optimizer kind whose state you will keep.")
+    hw = HARDWARE.get(hardware) if isinstance(hardware, str) else hardware
+    require(isinstance(hw, Hardware), f"hardware={hardware!r} is unknown", f"Pass one of {sorted(HARDWARE)}.")
+    block = repeated_block(model)
+    if strategies is None:
+        strategies = ("full_shard", "shard_grad_op", "no_shard") + (
+            ("hybrid_shard",) if 1 < hw.ranks_per_node < world_size and world_size % hw.ranks_per_node == 0 else ())
+    wraps = ("blocks", "none") if block is not None else ("none",)
+    shapes = {wrap: units_of_plan(model, wrap, block) for wrap in wraps}
+    acts = {(prec, ck): activation_bytes(model, batch, seq, torch.bfloat16 if prec == "bf16" else torch.float32,
+                                         block, ck, hw.device)
+            for prec in precisions for ck in ((False, True) if block is not None else (False,))}
+    param_count = sum(p.numel() for p in model.parameters())
+    states = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
+    offloads = (False, True) if hw.host_bw else (False,)  # a CPU rank's memory is host memory already
+    candidates = []
+    for wrap, strategy, limit, (prec, ck), offload in itertools.product(wraps, strategies, (1, 2), acts, offloads):
+        c = Candidate(wrap, strategy, limit, prec, ck, offload)
+        cost(c, shapes[wrap], world=world_size, ranks_per_node=hw.ranks_per_node, acts=acts[(prec, ck)],
+             optimizer_states=states, hardware=hw, tokens=batch * seq, param_count=param_count)
+        c.fits = c.peak <= memory_budget and c.host <= hw.host_memory
+        candidates.append(c)
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        least = min((c for c in candidates if c.host <= hw.host_memory), key=lambda c: c.peak)
+        raise fail(f"no sharding of this model fits {memory_budget / 2**20:.0f} MB per rank at world size "
+                   f"{world_size} (batch {batch} x {seq}); the smallest peak is {least.peak / 2**20:.0f} MB "
+                   f"(wrap={least.wrap}, {least.strategy}, {least.precision}, checkpointing "
+                   f"{'on' if least.checkpointing else 'off'}, offload {'on' if least.offload else 'off'})",
+                   f"Give each rank at least {least.peak / 2**20:.0f} MB, use more ranks, or a smaller batch.")
+    chosen = min(fitting, key=lambda c: (c.step_s, c.peak))
+    return Plan(chosen, candidates, world_size, int(memory_budget), hw, block)
+
+
+def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
+    """Shard `model` (built like the planned one) as the plan chose: activation checkpointing of
+    each block if chosen, then shard_model with its wrap, strategy, limit and precision."""
+    c = plan.chosen
+    if c.checkpointing and plan.block is not None:
+        for module in model.modules():
+            if type(module) is plan.block:
+                module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if c.precision == "bf16" else None
+    return shard_model(model, wrap={plan.block} if c.wrap == "blocks" else None, strategy=c.strategy,
+                       mp_policy=mp, offload_policy=CPUOffloadPolicy() if c.offload else None,
+                       limit_all_gathers=c.limit_all_gathers, forward_prefetch=True)
