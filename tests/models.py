@@ -121,10 +121,6 @@ def situations_batch(generator: torch.Generator, batch: int) -> tuple[torch.Tens
     return torch.randn(batch, 5, generator=generator), torch.randint(0, 3, (batch,), generator=generator)
 
 
-def situations_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return model(*batch)
-
-
 class CheckpointedGPT(GPT):
     """GPT whose blocks run under torch.utils.checkpoint (forward recomputed in backward)."""
 
@@ -183,7 +179,7 @@ def hf_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 MODELS = {
     "gpt": (tiny_gpt, token_batch, gpt_loss, {Block}),
     "twice": (TwiceGPT, token_batch, gpt_loss, {Block}),
-    "situations": (Situations, situations_batch, situations_loss, {Structured, nn.Linear}),
+    "situations": (Situations, situations_batch, gpt_loss, {Structured, nn.Linear}),
     "checkpoint_reentrant": (lambda: CheckpointedGPT(True), token_batch, gpt_loss, {Block}),
     "checkpoint_nonreentrant": (lambda: CheckpointedGPT(False), token_batch, gpt_loss, {Block}),
     "checkpoint_inner": (inner_checkpoint_gpt, token_batch, gpt_loss, {Block}),

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import fullshard
 from fullshard.gpt import Block
-from tests.models import tiny_gpt, token_batch
+from tests.models import gpt_loss, tiny_gpt, token_batch
 from tests.reference import full_state, global_batches, make_optimizer, max_diff, train
 
 dist.init_process_group("gloo")
@@ -26,7 +26,7 @@ reference.load_state_dict(model.state_dict())
 fullshard.shard_model(model, wrap={Block}, strategy="hybrid_shard")  # groups of LOCAL_WORLD_SIZE ranks
 mesh = model.wte.weight.device_mesh
 batches = global_batches(token_batch, 3, 8)
-loss = lambda m, b: m(*b)
+loss = gpt_loss
 got = train(model, make_optimizer("adamw", model), batches, loss, world=dist.get_world_size())
 want = train(reference, make_optimizer("adamw", reference), batches, loss)
 report = {

@@ -13,7 +13,7 @@ from torch import nn
 
 import fullshard
 from fullshard.gpt import GPT, Block, GPTConfig
-from tests.models import SEQ, VOCAB, model_spec, tiny_gpt, token_batch
+from tests.models import SEQ, VOCAB, gpt_loss, model_spec, tiny_gpt, token_batch
 from tests.reference import (CollectiveLog, assert_parity, full_state, global_batches, local_slice,
                              make_optimizer, max_diff, parity, train)
 
@@ -66,7 +66,7 @@ def torch_fsdp2_job() -> float:
     torch_fully_shard(theirs)
     batches = global_batches(token_batch, 3, 8)
     world = dist.get_world_size()
-    loss = lambda m, b: m(*b)
+    loss = gpt_loss
     a = train(ours, make_optimizer("adamw", ours), batches, loss, world=world)
     b = train(theirs, make_optimizer("adamw", theirs), batches, loss, world=world)
     return max(abs(x - y) for x, y in zip(a, b)) + max_diff(full_state(ours), full_state(theirs))
@@ -145,7 +145,7 @@ def memory_job() -> dict:
     shard_each({Block})(model)
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     optimizer = make_optimizer("adamw", model)
-    train(model, optimizer, global_batches(token_batch, 2, 8), lambda m, b: m(*b), world=dist.get_world_size())
+    train(model, optimizer, global_batches(token_batch, 2, 8), gpt_loss, world=dist.get_world_size())
     return {"full": full_bytes, "shard": shard_bytes, "live": live_tensor_bytes()}
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -17,9 +16,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fullshard
 from fullshard.gpt import GPT, Block, GPTConfig
-from tests.models import SEQ, VOCAB, model_spec, tiny_gpt, token_batch
+from tests.models import SEQ, VOCAB, gpt_loss, model_spec, tiny_gpt, token_batch
 from tests.reference import (assert_parity, full_state, global_batches, local_slice, make_optimizer, max_diff, parity,
                              train)
+from tests.test_fully_shard import padded_numel
 from tests.world import free_port, rank_env
 
 
@@ -57,7 +57,7 @@ def equivalence_job(shape: tuple[int, int], strategy: str) -> float:
     fullshard.shard_model(hybrid, wrap={Block}, strategy="hybrid_shard", mesh=hybrid_mesh(*shape))
     fullshard.shard_model(other, wrap={Block}, strategy=strategy)
     batches = global_batches(token_batch, 3, 8)
-    loss = lambda m, b: m(*b)
+    loss = gpt_loss
     world = dist.get_world_size()
     a = train(hybrid, make_optimizer("adamw", hybrid), batches, loss, world=world)
     b = train(other, make_optimizer("adamw", other), batches, loss, world=world)
@@ -70,10 +70,6 @@ def test_hybrid_with_f_equal_n_is_full_shard_and_f_one_is_no_shard(world4):
     assert world4.run(equivalence_job, shape=(4, 1), strategy="no_shard") == [0.0] * 4
 
 
-def padded(shape: torch.Size, world: int) -> int:
-    return 1 if len(shape) == 0 else math.ceil(shape[0] / world) * math.prod(shape[1:])
-
-
 def bytes_job() -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=30))
@@ -83,7 +79,7 @@ def bytes_job() -> dict:
     model(*batch).backward()  # the first step records the order
     with fullshard.stats(model) as stats:
         model(*batch).backward()
-    shard = [sum(padded(p.shape, 2) for p in ps) for ps in units]  # elements per rank, F = 2
+    shard = [sum(padded_numel(p.shape, 2) for p in ps) for ps in units]  # elements per rank, F = 2
     rows = [n + len(ps) for n, ps in zip(shard, units)]  # + one has-gradient flag per parameter
     gathered = shard[:3] * 2 + shard[3:]  # blocks h.0-h.2 twice; h.3 (ran last) and the root once
     F, R = 2, 2
@@ -104,14 +100,14 @@ def smaller_world_job() -> dict:
     """full_shard over 4 ranks, keeping 1/2 after forward: backward gathers inside pairs."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=30))
-    block = sum(padded(p.shape, 4) for p in model.h[0].parameters())  # elements per rank, N = 4
+    block = sum(padded_numel(p.shape, 4) for p in model.h[0].parameters())  # elements per rank, N = 4
 
     def shard(m):
         for b in m.h:
             fullshard.fully_shard(b, reshard_after_forward=2)
         fullshard.fully_shard(m)
 
-    result = parity(model, shard, token_batch, lambda m, b: m(*b))
+    result = parity(model, shard, token_batch, gpt_loss)
     batch = local_slice(global_batches(token_batch, 1, 8)[0], dist.get_rank(), dist.get_world_size())
     with fullshard.stats(model) as stats:
         model(*batch).backward()
@@ -119,7 +115,7 @@ def smaller_world_job() -> dict:
     # from 2-shard blocks ((k-1) x 2 shards); h.3 (ran last) once over 4. Root excluded.
     root = stats.gather_bytes - 4 * (3 * 3 * block + 3 * 1 * 2 * block + 3 * block)
     result["root_gather"] = root
-    result["root_want"] = 4 * 3 * sum(padded(p.shape, 4) for p in [model.wte.weight, model.wpe.weight,
+    result["root_want"] = 4 * 3 * sum(padded_numel(p.shape, 4) for p in [model.wte.weight, model.wpe.weight,
                                                                  *model.ln_f.parameters()])
     return result
 

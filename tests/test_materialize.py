@@ -10,9 +10,10 @@ from torch import nn
 import fullshard
 from fullshard import FullShardError
 from fullshard.gpt import GPT, Block, GPTConfig
-from tests.models import hf_llama, hf_loss, hf_units, tiny_gpt, token_batch
+from tests.models import gpt_loss, hf_llama, hf_loss, hf_units, tiny_gpt, token_batch
 from tests.world import World
 from tests.reference import full_state, global_batches, make_optimizer, max_diff, train
+from tests.test_errors import raises
 
 
 def meta_equals_eager_job() -> float:
@@ -70,16 +71,8 @@ def errors_job() -> list[str]:
                           (lambda: nn.Sequential(nn.Linear(4, 4)), {"param_init_fn": lambda m: None})]:
         with torch.device("meta"):
             model = build()
-        try:
-            fullshard.shard_model(model, **kwargs)
-            messages.append("")
-        except FullShardError as e:
-            messages.append(str(e))
-    try:
-        fullshard.shard_model(nn.Linear(2, 2), param_init_fn=lambda m: None)
-        messages.append("")
-    except FullShardError as e:
-        messages.append(str(e))
+        messages.append(raises(lambda: fullshard.shard_model(model, **kwargs)))
+    messages.append(raises(lambda: fullshard.shard_model(nn.Linear(2, 2), param_init_fn=lambda m: None)))
     return messages
 
 
@@ -150,7 +143,7 @@ def to_empty_job() -> dict:
     placed = {(p.to_local().device.type, type(p).__name__) for p in model.parameters()}
     fullshard.init_weights_from(model, eager.state_dict())
     batches = global_batches(token_batch, 3, 8)
-    loss = lambda m, b: m(*b)
+    loss = gpt_loss
     got = train(model, make_optimizer("adamw", model), batches, loss, world=dist.get_world_size())
     want = train(eager, make_optimizer("adamw", eager), batches, loss)
     return {"on_meta": on_meta, "placed": placed, "loss": max(abs(a - b) for a, b in zip(got, want)),
@@ -190,11 +183,8 @@ def construction_memory_job() -> dict:
 
 def test_meta_model_built_at_about_size_over_n_plus_one_unit():
     # a fresh world, whose processes' memory has seen nothing else
-    fresh = World(2)
-    try:
+    with World(2) as fresh:
         results = fresh.run(construction_memory_job)
-    finally:
-        fresh.close()
     for got in results:
         assert got["shard"] <= got["full"] // 2 * 1.02
         # eager construction holds all 454 MB; here: the shards (227 MB), one unit's full

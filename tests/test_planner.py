@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -50,8 +51,7 @@ def run_job(preset: str, strategy: str, precision: str, batch: int, plan_budget:
 
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     if plan_budget is not None:
-        plan = fullshard.plan(meta_gpt(preset), world_size=world, memory_budget=plan_budget, batch=batch, seq=128,
-                              hardware=CPU)
+        plan = fullshard.plan(model, world_size=world, memory_budget=plan_budget, batch=batch, seq=128, hardware=CPU)
         fullshard.apply_plan(model, plan)
     else:
         mp = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16" else None
@@ -71,19 +71,10 @@ def measure(**job) -> dict:
     """`run_job` on 2 new ranks whose freed memory goes back to the OS (MALLOC_MMAP_THRESHOLD_),
     so that their resident set follows live memory; new, so that nothing earlier is resident
     (the runtime's own memory is part of what the planner predicts)."""
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
-        world = World(2)
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-    try:
+    with mock.patch.dict(os.environ, {"MALLOC_MMAP_THRESHOLD_": "65536"}):
+        world = World(2)  # the ranks start with it
+    with world:
         return world.run(run_job, **job)[0]
-    finally:
-        world.close()
 
 
 @pytest.mark.parametrize("strategy, precision", [("full_shard", "fp32"), ("shard_grad_op", "fp32"),

@@ -11,7 +11,7 @@ from torch import nn
 
 import fullshard
 from fullshard.gpt import Block
-from tests.models import tiny_gpt, token_batch
+from tests.models import gpt_loss, tiny_gpt, token_batch
 from tests.reference import full_state, global_batches, local_slice, make_optimizer, max_diff, train
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,7 +66,7 @@ def bf16_job(reduce: str, optimizer: str) -> dict:
 
     batches = global_batches(token_batch, 3, 8)
     world = dist.get_world_size()
-    loss = lambda m, b: m(*b)
+    loss = gpt_loss
     got = train(model, make_optimizer(optimizer, model), batches, loss, world=world, clip=check_masters)
     want32 = train(fp32_reference, make_optimizer(optimizer, fp32_reference), batches, loss)
     want16 = train_low_precision_reference(bf16_reference, batches, torch.bfloat16, optimizer)
@@ -118,8 +118,8 @@ def offload_job(mixed: bool) -> dict:
     placement = set()
     record = lambda m: placement.update((p.to_local().device.type, p.grad.to_local().device.type)
                                         for p in m.parameters())
-    got = train(model, make_optimizer("adamw", model), batches, lambda m, b: m(*b), world=world, clip=record)
-    want = train(plain, make_optimizer("adamw", plain), batches, lambda m, b: m(*b), world=world)
+    got = train(model, make_optimizer("adamw", model), batches, gpt_loss, world=world, clip=record)
+    want = train(plain, make_optimizer("adamw", plain), batches, gpt_loss, world=world)
     return {"placement": placement, "loss": max(abs(a - b) for a, b in zip(got, want)),
             "param": max_diff(full_state(model), full_state(plain))}
 
@@ -195,7 +195,7 @@ def mixed_units_job() -> dict:
     model.h[0].mlp.c_fc.register_forward_hook(record("block"))
     model.ln_f.register_forward_hook(record("root"))
     batches = global_batches(token_batch, 3, 8)
-    loss = lambda m, b: m(*b)
+    loss = gpt_loss
     got = train(model, make_optimizer("sgd", model), batches, loss, world=dist.get_world_size())
     want = train(reference, make_optimizer("sgd", reference), batches, loss)
     return {"seen": seen, "loss": max(abs(a - b) for a, b in zip(got, want)),

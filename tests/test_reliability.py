@@ -8,30 +8,19 @@ import pickle
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import fullshard
-from fullshard import FullShardError
 from fullshard.gpt import GPT, Block, GPTConfig
-from tests.models import SEQ, VOCAB, tiny_gpt, token_batch
+from tests.models import SEQ, VOCAB, gpt_loss, tiny_gpt, token_batch
 from tests.reference import full_state, global_batches, local_slice, make_optimizer, max_diff, train
-from tests.test_cli import TINY, fullshard as fullshard_cli, kill_all, metrics
+from tests.test_errors import raises
+from tests.test_cli import TINY, fullshard as fullshard_cli, metrics
 from tests.world import World
-
-
-def error_of(fn) -> str:
-    try:
-        fn()
-    except FullShardError as e:
-        return str(e)
-    return ""
 
 
 # ---- killed ranks -------------------------------------------------------------------------
@@ -105,17 +94,14 @@ def divergence_job(debug: bool) -> dict:
     model(*batch).backward()  # step 1: every rank alike
     model.skip = 1 if dist.get_rank() == 1 else None  # step 2: rank 1 skips block h.1
     start = time.monotonic()
-    message = error_of(lambda: model(*batch).backward())
+    message = raises(lambda: model(*batch).backward())
     return {"message": message, "seconds": time.monotonic() - start}
 
 
 def test_a_rank_skipping_a_unit_fails_every_rank_naming_the_unit():
-    world = World(2)  # a fresh world: these jobs leave their process group unusable, as they say
-    try:
+    with World(2) as world:  # a fresh world: these jobs leave their process group unusable, as they say
         debug = world.run(divergence_job, debug=True)
         hang = world.run(divergence_job, debug=False)
-    finally:
-        world.close()
     # debug checks: both ranks learn at once what each was about to do
     for got in debug:
         assert "rank 0: all-gather of 'h.1' at step 2" in got["message"]
@@ -131,19 +117,19 @@ def test_a_rank_skipping_a_unit_fails_every_rank_naming_the_unit():
 # ---- silent-wrong-result guards ---------------------------------------------------------
 
 
-def nonfinite_job(policy: str) -> dict:
+def nonfinite_job(policy: str, on_block: bool = False) -> dict:
     torch.manual_seed(0)
     model = fullshard.shard_model(tiny_gpt(), wrap={Block})
-    model.set_nonfinite_grads(policy)
+    (model.h[0] if on_block else model).set_nonfinite_grads(policy)  # before the first forward
     opt = make_optimizer("adamw", model)
     batches = global_batches(token_batch, 2, 8)
     rank, world = dist.get_rank(), dist.get_world_size()
-    train(model, opt, batches[:1], lambda m, b: m(*b), world=world)
+    train(model, opt, batches[:1], gpt_loss, world=world)
     before = full_state(model)
     loss = model(*local_slice(batches[1], rank, world))
     if rank == 1:
         loss = loss * float("nan")
-    message = error_of(loss.backward)
+    message = raises(loss.backward)
     opt.step()
     opt.zero_grad()
     return {"message": message, "changed": max_diff(full_state(model), before),
@@ -155,6 +141,10 @@ def test_nonfinite_gradients_raise_or_skip_on_every_rank(world2):
         assert "is not finite" in got["message"] and "at step 2" in got["message"]
     for got in world2.run(nonfinite_job, policy="skip"):
         assert got["message"] == "" and got["changed"] == 0.0 and got["skipped"] == 1
+    for got in world2.run(nonfinite_job, policy="raise", on_block=True):  # one unit's policy: it alone is checked
+        assert "unit 'h.0'" in got["message"] and "at step 2" in got["message"]
+    for got in world2.run(nonfinite_job, policy="skip", on_block=True):
+        assert got["message"] == "" and got["changed"] == 0.0 and got["skipped"] == 1
 
 
 def disagree_job() -> str:
@@ -162,7 +152,7 @@ def disagree_job() -> str:
     model = tiny_gpt()
     if dist.get_rank() == 1:
         model.h[0].ln_1.weight.requires_grad_(False)
-    return error_of(lambda: fullshard.shard_model(model, wrap={Block}))
+    return raises(lambda: fullshard.shard_model(model, wrap={Block}))
 
 
 def test_ranks_that_would_shard_different_parameters_are_refused(world2):
@@ -178,7 +168,7 @@ def load_reaches_compute_job(path: str) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     saved = fullshard.shard_model(tiny_gpt(), wrap={Block})
-    train(saved, make_optimizer("adamw", saved), batches[:2], lambda m, b: m(*b), world=world)
+    train(saved, make_optimizer("adamw", saved), batches[:2], gpt_loss, world=world)
     fullshard.save(path, saved)
     x = local_slice(batches[2], rank, world)
     with torch.no_grad():
@@ -227,10 +217,10 @@ def corrupt_job(root: str) -> dict:
         shutil.copytree(fullshard.checkpoint_dir(good), evil)
         (evil / ".metadata").write_bytes(pickle.dumps(Payload(str(Path(root, "pwned")))))
     dist.barrier()
-    return {"truncated": error_of(lambda: fullshard.load(bad, model)),
-            "evil": error_of(lambda: fullshard.load(evil, model)),
+    return {"truncated": raises(lambda: fullshard.load(bad, model)),
+            "evil": raises(lambda: fullshard.load(evil, model)),
             "ran code": Path(root, "pwned").exists(),
-            "good still loads": error_of(lambda: fullshard.load(good, model)) == ""}
+            "good still loads": raises(lambda: fullshard.load(good, model)) == ""}
 
 
 def test_corrupted_and_malicious_checkpoints_are_refused(world2, tmp_path):
@@ -264,7 +254,7 @@ def bad_input_job() -> dict:
         "nonfinite": lambda: model.set_nonfinite_grads("ignore"),
         "prefetch list": lambda: model.h[0].set_modules_to_forward_prefetch([torch.nn.Linear(1, 1)]),
     }
-    out = {name: error_of(call) for name, call in calls.items()}
+    out = {name: raises(call) for name, call in calls.items()}
     out["unchanged"] = max_diff(full_state(model), before) == 0.0
     return out
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import fullshard
 from fullshard.gpt import Block
-from tests.models import model_spec
+from tests.models import gpt_loss, model_spec
 from tests.reference import assert_parity, parity
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
@@ -157,7 +157,7 @@ def schedule_job(backward_prefetch, forward_prefetch: bool, limit) -> dict:
     model = gpt4()
     result = parity(model, lambda m: fullshard.shard_model(m, wrap={Block}, backward_prefetch=backward_prefetch,
                                                            forward_prefetch=forward_prefetch, limit_all_gathers=limit),
-                    token_batch, lambda m, b: m(*b), steps=3)
+                    token_batch, gpt_loss, steps=3)
     batch = local_slice(global_batches(token_batch, 1, 8)[0], dist.get_rank(), dist.get_world_size())
     with fullshard.stats(model) as stats:
         result["events"] = record_schedule(model, lambda: model(*batch).backward())
@@ -270,7 +270,7 @@ def branchy_job() -> dict:
     torch.manual_seed(0)
     result = parity(Branchy(), lambda m: fullshard.shard_model(m, wrap={nn.Sequential}, forward_prefetch=True,
                                                                limit_all_gathers=None),
-                    situations_batch, lambda m, b: m(*b), steps=4)
+                    situations_batch, gpt_loss, steps=4)
     return result
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -16,10 +15,9 @@ import torch
 import torch.distributed as dist
 
 import fullshard
-from fullshard import FullShardError
-from fullshard.gpt import Block
-from tests.models import model_spec, tiny_gpt, token_batch
-from tests.reference import full_state, global_batches, local_slice, make_optimizer, max_diff, train
+from tests.models import gpt_loss, model_spec, tiny_gpt, token_batch
+from tests.reference import full_state, global_batches, make_optimizer, max_diff, train
+from tests.test_errors import raises
 from tests.test_hybrid import hybrid_mesh
 from tests.world import free_port
 
@@ -34,7 +32,7 @@ def sharded(strategy: str = "full_shard", seed: int = 0, model: str = "gpt"):
 
 
 def step_on(model, optimizer, batches) -> list[float]:
-    return train(model, optimizer, batches, lambda m, b: m(*b), world=dist.get_world_size())
+    return train(model, optimizer, batches, gpt_loss, world=dist.get_world_size())
 
 
 def optimizer_values(model, optimizer) -> dict[str, torch.Tensor]:
@@ -249,27 +247,20 @@ def test_safetensors_export_loads_without_fullshard(world2, tmp_path):
 
 
 def errors_job(path: str) -> dict[str, str]:
-    def message(fn) -> str:
-        try:
-            fn()
-        except FullShardError as e:
-            return str(e)
-        return ""
-
     model, opt = sharded()
     fullshard.save(path, model, opt, step=1)
     from fullshard.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     other = fullshard.shard_model(GPT(GPTConfig(block_size=8, vocab_size=61, n_layer=3, n_head=2, n_embd=32)))
-    out = {"mismatch": message(lambda: fullshard.load(path, other)),
-           "not a checkpoint": message(lambda: fullshard.load(os.path.dirname(path), model)),
-           "extra": message(lambda: fullshard.save(path, model, extra={"fn": print}))}
+    out = {"mismatch": raises(lambda: fullshard.load(path, other)),
+           "not a checkpoint": raises(lambda: fullshard.load(os.path.dirname(path), model)),
+           "extra": raises(lambda: fullshard.save(path, model, extra={"fn": print}))}
     dist.barrier()
     if dist.get_rank() == 0:
         latest = Path(path, Path(path, "LATEST").read_text())
         (latest / "COMPLETE").unlink()
     dist.barrier()
-    out["incomplete"] = message(lambda: fullshard.load(path, model))
+    out["incomplete"] = raises(lambda: fullshard.load(path, model))
     return out
 
 

@@ -112,6 +112,12 @@ class World:
         for proc in self.procs:
             proc.join(timeout=10)
 
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for jobs in self.jobs:
             jobs.put(None)

@@ -14,7 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fullshard.collectives import all_gather_ints, all_gather_objects
 
 from fullshard.errors import fail
-from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, unit_hooks
+from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, unit_hooks, units_under
 from fullshard.mesh import shard_group
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.unit import OwnedParam, Unit, UnitConfig
@@ -151,17 +151,16 @@ class FSDPModule:
             policy: ``"raise"`` (a FullShardError naming the unit and step, from ``backward()``),
                 ``"skip"`` (every rank drops all gradients of the step, so ``optimizer.step()``
                 changes nothing; counted in ``fullshard.stats``) or ``None`` (no check, the
-                default). Call it on the root (the outermost unit).
+                default). It applies to this unit and every unit below it (on the root: the
+                whole model).
         """
         if policy not in (None, "raise", "skip"):
             raise fail(f"set_nonfinite_grads({policy!r}) is not a policy", "Pass 'raise', 'skip' or None.")
-        unit_hooks(self).lazy_init().nonfinite = policy
         for unit in self._units(True):
-            unit.check_finite = policy is not None
+            unit.nonfinite = policy
 
     def _units(self, recurse: bool) -> list[Unit]:
-        modules = self.modules() if recurse else [self]
-        return [hooks.unit for m in modules if (hooks := unit_hooks(m)) is not None]
+        return units_under(self) if recurse else [self._unit()]
 
     def _apply(self, fn, recurse: bool = True) -> nn.Module:
         """Module.to_empty / .to moved the shards off the unit's storage: move the unit after them
@@ -208,8 +207,7 @@ def owned_params(module: nn.Module, exclude: Iterable[nn.Parameter] = ()) -> lis
     swapped there as well.
     """
     excluded = set(exclude)
-    managed = {tensor for m in module.modules() if (hooks := unit_hooks(m)) is not None
-               for p in hooks.unit.params for tensor in (p.sharded, p.unsharded)}
+    managed = {tensor for unit in units_under(module) for p in unit.params for tensor in (p.sharded, p.unsharded)}
     owned: dict[nn.Parameter, OwnedParam] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for name, param in sub._parameters.items():
@@ -334,7 +332,7 @@ def fully_shard(
         free_after_forward=reshard_after_forward,
         post_forward_world=post_forward_world,
         param_dtype=mp.param_dtype,
-        reduce_dtype=mp.reduce_dtype or mp.param_dtype,
+        reduce_dtype=mp.reduce_dtype,
         input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
         output_dtype=mp.output_dtype,
         offload=offload_policy is not None,

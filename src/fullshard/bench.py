@@ -80,7 +80,6 @@ def sent_bytes_per_step(impl: str, model, step) -> int:
     all-reduce of the whole input. DDP reduces in C++ (invisible to the log): one
     all-reduce of every gradient.
     """
-    import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -154,7 +153,11 @@ def worker(args: argparse.Namespace) -> None:
 
     for _ in range(args.warmup):
         step()
-    sent = sent_bytes_per_step(args.impl, model, step) if distributed else step() and 0
+    if distributed:
+        sent = sent_bytes_per_step(args.impl, model, step)
+    else:
+        step()  # as many steps as the distributed runs take
+        sent = 0
     times, losses = [], []
     cpu0 = time.process_time()
     for _ in range(args.steps):
@@ -234,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    for name, given, known in (("preset", args.presets, BATCHES), ("impl", args.impls, IMPLS),
+                               ("dtype", args.dtypes, ("fp32", "bf16"))):
+        if unknown := [x for x in given.split(",") if x not in known]:
+            parser.error(f"unknown --{name}s {','.join(unknown)}; choose from {','.join(known)}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  fullshard bench {' '.join(argv if argv is not None else sys.argv[1:])}",
           flush=True)
     for preset in args.presets.split(","):

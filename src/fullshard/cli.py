@@ -136,6 +136,13 @@ def parse_bytes(text: str) -> int | None:
     return int(value * units[unit]) if unit in units and value > 0 else None
 
 
+def gpt_dims(options: TrainConfig | argparse.Namespace) -> dict[str, int]:
+    """The preset's GPT dimensions, with any of --n-layer, --n-embd, --n-head given instead."""
+    from fullshard.gpt import PRESETS
+
+    return {**PRESETS[options.preset], **{k: v for k in ("n_layer", "n_embd", "n_head") if (v := getattr(options, k))}}
+
+
 def local_ranks(cfg: TrainConfig) -> int:
     import torch
 
@@ -150,6 +157,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its arguments are its own
+        from fullshard.bench import main as bench
+
+        bench(argv[1:])
+        return 0
     parser = Parser(prog="fullshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"fullshard {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -172,18 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--memory-budget", default="2GiB", help="bytes per rank, e.g. 2GiB")
     plan_parser.add_argument("--hardware", default="cpu", help="cpu, a100 or h100 (fullshard.planner.HARDWARE)")
     plan_parser.add_argument("--optimizer", default="adamw", help="adamw, sgd or none")
-    args, rest = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     if args.command == "plan":
-        if rest:
-            return fatal(f"unrecognized arguments: {' '.join(rest)}")
         return plan_command(args)
-    if args.command == "bench":
-        from fullshard.bench import main as bench
-
-        bench(rest)
-        return 0
-    if rest:
-        return fatal(f"unrecognized arguments: {' '.join(rest)}")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if (message := problem(cfg)) is not None:
         return fatal(message)
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return fatal(f"--nproc {nproc} is more than the {cores} CPU cores here; pass --oversubscribe to run anyway")
     if cfg.global_batch % (nproc * cfg.grad_accum):
         return fatal(f"--global-batch {cfg.global_batch} must divide into {nproc} ranks x {cfg.grad_accum} micro-batches")
-    return launch(nproc, cfg.max_restarts, argv if argv is not None else sys.argv[1:])
+    return launch(nproc, cfg.max_restarts, argv)
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -219,7 +223,7 @@ def plan_command(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.memory_budget)
     if budget is None:
         return fatal(f"--memory-budget must be a size like 2GiB or 500MB, got {args.memory_budget!r}")
-    dims = {**PRESETS[args.preset], **{k: v for k in ("n_layer", "n_embd", "n_head") if (v := getattr(args, k))}}
+    dims = gpt_dims(args)
     with torch.device("meta"):
         model = GPT(GPTConfig(block_size=args.seq_len, vocab_size=args.vocab, **dims))
     try:
@@ -340,7 +344,7 @@ def train(cfg: TrainConfig) -> int:
     from torch.nn import functional as F
 
     import fullshard
-    from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
+    from fullshard.gpt import GPT, Block, GPTConfig
 
     # set up the process group: NCCL with one GPU per rank, else gloo on the CPU. Restarted
     # ranks meet under a key prefix of their own attempt: the launcher's store outlives an
@@ -372,17 +376,19 @@ def train(cfg: TrainConfig) -> int:
     val_data = torch.frombuffer(bytearray(val_bytes), dtype=torch.uint8)
 
     # build the model on meta, then shard it: each block materialized straight into its shards
-    dims = {**PRESETS[cfg.preset], **{k: v for k in ("n_layer", "n_embd", "n_head") if (v := getattr(cfg, k))}}
+    dims = gpt_dims(cfg)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
         model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
     n_params = sum(p.numel() for p in model.parameters())
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    setting = f"{cfg.strategy}, {cfg.precision}"
     if cfg.plan == "auto":  # let the planner choose, for this world and budget
         plan = fullshard.plan(model, world_size=world, memory_budget=parse_bytes(cfg.memory_budget),
                               batch=cfg.global_batch // world // cfg.grad_accum, seq=cfg.seq_len,
                               hardware="a100" if cuda else "cpu")
         fullshard.apply_plan(model, plan)
+        setting = f"planned: {plan.chosen.strategy}, {plan.chosen.precision}"
         if main_rank:
             print(plan.explain(), flush=True)
     else:
@@ -409,7 +415,7 @@ def train(cfg: TrainConfig) -> int:
             print(f"resumed from {fullshard.checkpoint_dir(ckpt)} at step {start}", flush=True)
     if main_rank:
         print(f"fullshard {version()}: GPT {cfg.preset} {dims}, {n_params / 1e6:.2f}M parameters, {world} ranks "
-              f"({device.type}), {cfg.strategy}, {cfg.precision}; data: {source}, {len(train_bytes) / 1e6:.1f} MB "
+              f"({device.type}), {setting}; data: {source}, {len(train_bytes) / 1e6:.1f} MB "
               f"train / {len(val_bytes) / 1e6:.1f} MB validation", flush=True)
 
     def evaluate() -> float:
@@ -440,13 +446,14 @@ def train(cfg: TrainConfig) -> int:
     first_val = evaluate() if start == 0 else None
     if main_rank and first_val is not None:
         metrics.write(json.dumps({"step": 0, "val_loss": first_val}) + "\n")
+    comm_stats = fullshard.stats(model)
     for step in range(start, cfg.steps):
         begin = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
-        with fullshard.stats(model) as comm:
+        with comm_stats as comm:
             for micro_offsets in batch_offsets(len(train_data), step, cfg).chunk(cfg.grad_accum):
                 x, y = batch_rows(train_data, micro_offsets.chunk(world)[rank], cfg.seq_len, device)
                 loss = model(x, y) / cfg.grad_accum
@@ -461,7 +468,7 @@ def train(cfg: TrainConfig) -> int:
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        figures = torch.tensor([loss_sum.item(), peak_memory_mb(device)], dtype=torch.float64)
+        figures = torch.tensor([loss_sum.item(), peak_memory_mb(device)], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(figures) for _ in range(world)]
         dist.all_gather(gathered, figures)
         seconds = time.perf_counter() - begin

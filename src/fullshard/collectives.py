@@ -1,8 +1,9 @@
 """The collectives of a unit, as pure functions over tensors and process groups.
 
-This is the only module that calls torch.distributed. It knows the row layout of
-Note [shard layout] (param.py) but nothing of units or modules. Every collective is
-split into an issue (returns a pending object at once) and a wait.
+This is the only library module that calls torch.distributed's collectives (the CLI and
+the benchmark call their own). It knows the row layout of Note [shard layout] (param.py)
+but nothing of units or modules. A unit's collectives are split into an issue (returns a
+pending object at once) and a wait.
 
 # Note [collective choice]: NCCL (and any backend but gloo) uses its native
 # all-gather and reduce-scatter over the flat buffer. On gloo these are slow:
@@ -76,6 +77,27 @@ def all_gather_objects(obj: object) -> list[object]:
     return out
 
 
+def all_reduce_(tensor: torch.Tensor, op: str) -> None:
+    """Reduce `tensor` in place over every rank: op "sum" or "max"."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        dist.broadcast(t, src=0)
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's `obj` (small, picklable, our own) on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
 def uses_p2p(group: dist.ProcessGroup) -> bool:
     """Note [collective choice]."""
     return dist.get_backend(group) == "gloo"
@@ -124,24 +146,16 @@ def compute_waits_for(stream: torch.cuda.Stream | None) -> None:
         torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
-def on(stream: torch.cuda.Stream | None):
-    return torch.cuda.stream(stream) if stream is not None else _Nothing()
+def exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor], peers: list[int], group: dist.ProcessGroup,
+             tag: int) -> list:
+    """Point-to-point: sends[i] to group rank peers[i], recvs[i] from it (Note [collective choice])."""
+    works = [dist.isend(t, group=group, group_dst=r, tag=tag) for t, r in zip(sends, peers)]
+    return works + [dist.irecv(t, group=group, group_src=r, tag=tag) for t, r in zip(recvs, peers)]
 
 
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-@dataclass
-class Traffic:
-    """Bytes this rank sends: what an optimal algorithm needs, and what the one used sends."""
-
-    logical: int
-    wire: int
+def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
+    """What a rank sends in a bandwidth-optimal all-reduce over `size` ranks."""
+    return 2 * (size - 1) * numel * element_size // size
 
 
 @dataclass
@@ -157,7 +171,7 @@ class PendingGather:
     rank: int
     world: int
     stream: torch.cuda.Stream | None
-    traffic: Traffic
+    sent_bytes: int
 
 
 def gather_full(
@@ -173,7 +187,7 @@ def gather_full(
     world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     stream = side_stream(device, "gather")
     wait_for_compute(stream)  # the optimizer may have just written the shard
-    with on(stream):
+    with torch.cuda.stream(stream):  # a no-op for None (CPU)
         staged = shard.dtype != dtype or shard.device != device
         local_flat = shard
         if staged:
@@ -185,13 +199,11 @@ def gather_full(
         elif uses_p2p(group):
             peers = [r for r in range(world) if r != rank]
             gathered = pool.take((world - 1, local_flat.numel()), local_flat.dtype, local_flat.device)
-            works = [dist.isend(local_flat, dist.get_global_rank(group, r), group=group, tag=tag) for r in peers]
-            works += [dist.irecv(row, dist.get_global_rank(group, r), group=group, tag=tag)
-                      for row, r in zip(gathered, peers)]
+            works = exchange([local_flat] * len(peers), list(gathered), peers, group, tag)
         else:
             gathered = pool.take((world, local_flat.numel()), local_flat.dtype, local_flat.device)
             works = [_all_gather_single(gathered.view(-1), local_flat, group=group, async_op=True)]
-    return PendingGather(works, gathered, local_flat, staged, rank, world, stream, Traffic(sent, sent))
+    return PendingGather(works, gathered, local_flat, staged, rank, world, stream, sent)
 
 
 def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int], pool: BufferPool, *,
@@ -201,7 +213,7 @@ def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numel
     `fulls` were allocated on the compute stream before the gather was issued.
     """
     world = pending.world
-    with on(pending.stream):
+    with torch.cuda.stream(pending.stream):
         wait_all(pending.works, timeout)
         outs = [full.view(world, -1) for full in fulls]  # each [world, shard_numel]
         with torch.no_grad():
@@ -225,16 +237,18 @@ def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], ranks: 
     Rows are zero where a gradient is missing or padded; the flags are 1 where this rank
     has the gradient, so after the reduction each rank knows whether any rank had one (a
     gradient no rank has stays None, as in plain PyTorch). A 0-d gradient is in every row.
+    The flags are written on the device, so packing never waits for the GPU.
     """
     total = sum(shard_numels)
-    out[:, total:] = torch.tensor([grad is not None for grad in grads], dtype=out.dtype)
+    out[:, total:].fill_(1)
     runs = [(i, r) for i, r in enumerate(ranks) if i == 0 or r != ranks[i - 1] + 1]  # starts of consecutive ranks
     offset = 0
-    for grad, numel in zip(grads, shard_numels):
+    for i, (grad, numel) in enumerate(zip(grads, shard_numels)):
         dst = out[:, offset : offset + numel]  # [len(ranks), shard_numel]
         offset += numel
         if grad is None:
             dst.zero_()
+            out[:, total + i].zero_()
         elif grad.dim() == 0:
             dst.copy_(grad.expand(len(ranks), 1))
         elif numel:
@@ -260,7 +274,7 @@ class PendingReduce:
     stream: torch.cuda.Stream | None
     replicate_group: dist.ProcessGroup | None
     divide_after: int  # what the sum is still to be divided by
-    traffic: list[tuple[str, Traffic]] = field(default_factory=list)
+    traffic: list[tuple[str, int]] = field(default_factory=list)  # (collective, bytes this rank sent)
 
 
 def reduce_scatter_grads(
@@ -303,25 +317,21 @@ def reduce_scatter_grads(
         divide_after = 1
     if p2p:
         received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
-        works = [dist.isend(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=tag)
-                 for row, r in zip(sent, peers)]
-        works += [dist.irecv(row, dist.get_global_rank(shard_group, r), group=shard_group, tag=tag)
-                  for row, r in zip(received, peers)]
+        works = exchange(list(sent), list(received), peers, shard_group, tag)
     elif shard_group is not None:
         wait_for_compute(stream)  # the gradients were packed on the compute stream
-        with on(stream):
+        with torch.cuda.stream(stream):
             works = [_reduce_scatter_single(shard, sent.view(-1), op=dist.ReduceOp.SUM, group=shard_group,
                                             async_op=True)]
     if shard_group is not None:
-        nbytes = (world - 1) * row_numel * shard.element_size()
-        traffic.append(("reduce_scatter", Traffic(nbytes, nbytes)))
+        traffic.append(("reduce_scatter", (world - 1) * row_numel * shard.element_size()))
     return PendingReduce(works, sent, received, shard, stream, replicate_group, divide_after, traffic)
 
 
 def finish_reduce(pending: PendingReduce, pool: BufferPool, *, timeout: timedelta) -> torch.Tensor:
     """Wait for the reduction; return this rank's row averaged over the data-parallel ranks."""
     shard = pending.shard
-    with on(pending.stream):
+    with torch.cuda.stream(pending.stream):
         wait_all(pending.works, timeout)
         if pending.received is not None:  # own row first, then the peers' in rank order
             for row in pending.received:
@@ -330,8 +340,7 @@ def finish_reduce(pending: PendingReduce, pool: BufferPool, *, timeout: timedelt
             replicas = pending.replicate_group.size()
             wait_all([dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=pending.replicate_group, async_op=True)],
                      timeout)
-            nbytes = 2 * (replicas - 1) * shard.numel() * shard.element_size() // replicas
-            pending.traffic.append(("all_reduce", Traffic(nbytes, nbytes)))
+            pending.traffic.append(("all_reduce", all_reduce_bytes(shard.numel(), shard.element_size(), replicas)))
         if pending.divide_after > 1:
             shard.div_(pending.divide_after)
     compute_waits_for(pending.stream)
@@ -341,11 +350,9 @@ def finish_reduce(pending: PendingReduce, pool: BufferPool, *, timeout: timedelt
     return shard
 
 
-def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup, timeout: timedelta) -> Traffic:
-    """Sum `tensors` in place over `group`, packed into one all-reduce."""
+def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup, timeout: timedelta) -> int:
+    """Sum `tensors` in place over `group`, packed into one all-reduce; returns the bytes this rank sent."""
     flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
     wait_all([dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)], timeout)
     torch.split_with_sizes_copy(flat, [t.numel() for t in tensors], out=[t.view(-1) for t in tensors])
-    size = group.size()
-    nbytes = 2 * (size - 1) * flat.numel() * flat.element_size() // size
-    return Traffic(nbytes, nbytes)
+    return all_reduce_bytes(flat.numel(), flat.element_size(), group.size())

@@ -57,6 +57,11 @@ def unit_hooks(module: nn.Module) -> UnitHooks | None:
     return module.__dict__.get(HOOKS_ATTR)
 
 
+def units_under(module: nn.Module) -> list[Unit]:
+    """The units of `module` and its submodules, outermost first."""
+    return [hooks.unit for m in module.modules() if (hooks := unit_hooks(m)) is not None]
+
+
 class Phase(Enum):
     IDLE = auto()
     FORWARD = auto()
@@ -145,7 +150,6 @@ class RootContext:
         self.ahead: list[UnitHooks] = []  # gathered ahead of use, not used yet
         self.reducing: UnitHooks | None = None  # the unit whose reduction is in flight
         self.step = 0  # backward passes finished
-        self.nonfinite: str | None = None  # None, "raise" or "skip": what a non-finite gradient does
 
     # ---- prefetch, Note [prefetch] --------------------------------------------------
 
@@ -222,9 +226,10 @@ class RootContext:
         self.settle_nonfinite()
 
     def settle_nonfinite(self) -> None:
-        """With a non-finite policy, every rank learns whether any rank's reduced gradient had
-        an inf or NaN, and all raise (naming the unit) or all skip the step (no gradients)."""
-        if self.nonfinite is None or not self.units:
+        """With a non-finite policy on some unit, every rank learns whether any rank's reduced
+        gradient had an inf or NaN, and all raise (naming the first such unit) or, if that
+        unit's policy is "skip", all skip the step (no gradients)."""
+        if all(hooks.unit.nonfinite is None for hooks in self.units):
             return
         bad = next((h.unit.index for h in self.units if h.unit.saw_nonfinite), -1)
         for hooks in self.units:
@@ -236,7 +241,7 @@ class RootContext:
             raise unit.failed("non-finite check", e) from None
         if not everyone:
             return
-        if self.nonfinite == "skip":
+        if self.units[min(everyone)].unit.nonfinite == "skip":
             for hooks in self.units:
                 for p in hooks.unit.params:
                     p.sharded.grad = None

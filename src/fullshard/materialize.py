@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail
-from fullshard.hooks import unit_hooks
+from fullshard.hooks import units_under
 from fullshard.param import ShardedParam
 
 
@@ -47,11 +47,6 @@ def check_initializable(model: nn.Module, init_fn: Callable[[nn.Module], None] |
         )
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
-    for t in tensors:
-        dist.broadcast(t, src=0)
-
-
 def sync_eager(model: nn.Module) -> None:
     """sync_module_states for a model built on a real device: rank 0's values everywhere."""
     with torch.no_grad():
@@ -63,8 +58,7 @@ def sync_eager(model: nn.Module) -> None:
 def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None, sync: bool) -> None:
     """Real storage for every unit of a sharded meta model, then initialize it module by
     module (Note [same values as eager]); with `sync`, rank 0's values win."""
-    units = [hooks.unit for m in model.modules() if (hooks := unit_hooks(m)) is not None]
-    units = [unit for unit in units if unit.compute_device.type == "meta"]  # real ones keep their values
+    units = [unit for unit in units_under(model) if unit.compute_device.type == "meta"]  # real ones keep their values
     for unit in units:
         unit.materialize(unit.group.device)
     device = units[0].group.device if units else torch.device("cpu")

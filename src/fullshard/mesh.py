@@ -96,16 +96,15 @@ def require_process_group() -> None:
         )
 
 
-def build_mesh(mesh_dims: tuple[str, ...], shard_size: int | None = None) -> DeviceMesh:
-    """A mesh over every rank with the given roles; hybrid takes the shard size as given
-    or else the ranks of one node (LOCAL_WORLD_SIZE)."""
+def build_mesh(mesh_dims: tuple[str, ...]) -> DeviceMesh:
+    """A mesh over every rank with the given roles; hybrid shards within the ranks of one
+    node (LOCAL_WORLD_SIZE)."""
     require_process_group()
     world = dist.get_world_size()
     device_type = default_device_type()
     if mesh_dims != ("replicate", "shard"):
         return init_device_mesh(device_type, (world,), mesh_dim_names=mesh_dims)
-    if shard_size is None:
-        shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if shard_size < 1 or world % shard_size:
         raise fail(
             f"hybrid sharding over groups of {shard_size} ranks does not divide the world size {world}",

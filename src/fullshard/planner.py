@@ -23,7 +23,6 @@ import inspect
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fullshard.errors import fail, require
 from fullshard.param import shard_numel
-from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.wrap import choose_units, shard_model
 
 
@@ -89,6 +88,7 @@ class Candidate:
     sent_intra: int = 0  # bytes a rank sends per step inside its shard group
     sent_cross: int = 0  # across replicas
     collectives: int = 0
+    compute_s: float = 0.0  # of the step, communication aside
     step_s: float = 0.0
     fits: bool = False
 
@@ -158,8 +158,8 @@ def example_inputs(model: nn.Module, batch: int, seq: int, device: torch.device)
 
 def activation_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, block: type | None,
                      checkpointing: bool, device: str) -> int:
-    """Bytes autograd saves for backward in one forward of one rank's micro-batch, plus with
-    checkpointing one block's recomputed activations.
+    """Bytes autograd saves for backward in one forward of one rank's micro-batch (with
+    checkpointing of each `block`: only the blocks' inputs and what is outside them).
 
     The forward runs on fake tensors that claim to be on `device` (nothing is allocated),
     so kernels are chosen as on that device: attention saves what a flash kernel saves
@@ -170,21 +170,21 @@ def activation_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     probe = copy.deepcopy(model)
-    blocks = [m for m in probe.modules() if block is not None and type(m) is block]
     if checkpointing:
-        for m in blocks:
-            m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
-    saved: dict[int, int] = {}
+        checkpoint_blocks(probe, block)
     usable = device == "cpu" or (device == "cuda" and torch.cuda.is_available())  # else autograd aborts
     with FakeTensorMode():
-        total = _saved_bytes(probe, batch, seq, dtype, torch.device(device if usable else "cpu"), saved)
-    if checkpointing and blocks:  # backward recomputes one block at a time
-        total += (activation_bytes(model, batch, seq, dtype, block, False, device) - total) // len(blocks)
-    return total
+        return _saved_bytes(probe, batch, seq, dtype, torch.device(device if usable else "cpu"))
 
 
-def _saved_bytes(probe: nn.Module, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
-                 saved: dict[int, int]) -> int:
+def checkpoint_blocks(model: nn.Module, block: type) -> None:
+    """Activation checkpointing of every instance of `block`: backward recomputes its forward."""
+    for module in model.modules():
+        if type(module) is block:
+            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+
+
+def _saved_bytes(probe: nn.Module, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> int:
     """Run `probe`'s forward on empty tensors on `device`, counting the storages autograd saves."""
     for module in probe.modules():
         for key, t in list(module._parameters.items()) + list(module._buffers.items()):
@@ -197,6 +197,7 @@ def _saved_bytes(probe: nn.Module, batch: int, seq: int, dtype: torch.dtype, dev
             else:
                 module._buffers[key] = new
     params = {p.untyped_storage()._cdata for p in probe.parameters()}
+    saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -224,24 +225,20 @@ def units_of_plan(model: nn.Module, wrap: str, block: type | None) -> list[UnitS
     """The units shard_model would make, in forward order (the root first): each owns the
     parameters under it that no unit below it owns (tied ones go to the common ancestor)."""
     chosen = choose_units(model, {block} if wrap == "blocks" and block is not None else None)  # bottom-up
-    owned: dict[nn.Module, list[nn.Parameter]] = {}
-    taken: set[nn.Parameter] = set()
-    for module, exclude in chosen:
-        params = [p for p in dict.fromkeys(module.parameters()) if p not in taken and not any(p is q for q in exclude)]
-        taken.update(params)
-        owned[module] = params
-    return [UnitShape(sum(p.numel() for p in owned[m]), [p.shape for p in owned[m]],
-                      sum(p.requires_grad for p in owned[m])) for m, _ in reversed(chosen)]
+    return [UnitShape(sum(p.numel() for p in own), [p.shape for p in own], sum(p.requires_grad for p in own))
+            for _, _, own in reversed(chosen)]
 
 
-def cost(c: Candidate, units: list[UnitShape], *, world: int, ranks_per_node: int, acts: int, optimizer_states: int,
-         hardware: Hardware, tokens: int, param_count: int) -> Candidate:
+def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimizer_states: int,
+         hardware: Hardware, tokens: int) -> Candidate:
     """Fill in `c`'s predicted memory, traffic and step time (Note [planner])."""
+    ranks_per_node = hardware.ranks_per_node
     F = {"full_shard": world, "shard_grad_op": world, "no_shard": 1,
          "hybrid_shard": math.gcd(world, ranks_per_node)}[c.strategy]
     R = world // F
     master, compute = 4, (2 if c.precision == "bf16" else 4)
-    reduce_ = compute
+    reduce_ = compute  # gradients are reduced in the compute dtype
+    param_count = sum(u.numel for u in units)
     shard = [sum(shard_numel(s, F) for s in u.shards) for u in units]  # elements per rank
     rows = [n + u.trainable for n, u in zip(shard, units)]  # + has-gradient flags
     full = [F * n * compute for n in shard]  # a unit's full storage
@@ -249,13 +246,13 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, ranks_per_node: in
     big = max(blocks)
     S = sum(shard) * master
     separate_full = F > 1 or compute != master  # else the full parameters are the shards themselves
-    keep_all = c.strategy in ("shard_grad_op", "no_shard")
+    keep_all = not STRATEGIES[c.strategy]["reshard_after_forward"]
     kept = (sum(full) if keep_all else full[0] + big) if separate_full else 0  # from forward to backward
-    ahead = 0 if keep_all or not separate_full else min(len(blocks), c.limit_all_gathers) * big
+    in_flight = min(len(blocks), c.limit_all_gathers)  # gathers issued ahead of the unit computing
+    ahead = 0 if keep_all or not separate_full else in_flight * big
     staged = big // F if compute != master or c.offload else 0  # the shard cast or copied to the device
     # gathers in flight: the peers' rows and the staged shard
-    pending = min(len(blocks), c.limit_all_gathers) * (big * (F - 1) // F + staged) \
-        if separate_full and not keep_all else 0
+    pending = in_flight * (big * (F - 1) // F + staged) if separate_full and not keep_all else 0
     unit_grads = max(u.numel for u in units) * compute  # the first unit's full gradients in backward
     runtime = hardware.runtime[c.precision]
     # the peak is where backward starts (activations all alive) or where it ends (all gradients);
@@ -276,7 +273,7 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, ranks_per_node: in
     c.sent_cross = sum(2 * (R - 1) * r * reduce_ // R for r in rows) if R > 1 else 0
     c.collectives = (sum(gathers) + len(units) if F > 1 else 0) + (len(units) if R > 1 else 0)
     flops = (8 if c.checkpointing else 6) * param_count * tokens
-    compute_s = flops / hardware.flops[c.precision]
+    c.compute_s = compute_s = flops / hardware.flops[c.precision]
     # a ring spanning nodes leaves each node once per ring, and there are as many rings as the
     # node has interfaces: a rank's bytes move at the node's network bandwidth, or NVLink's if
     # lower. Replicas of a hybrid shard group are a ring of one rank per node: every hop leaves.
@@ -335,23 +332,31 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
             "Pass the optimizer kind whose state you will keep.")
     hw = HARDWARE.get(hardware) if isinstance(hardware, str) else hardware
     require(isinstance(hw, Hardware), f"hardware={hardware!r} is unknown", f"Pass one of {sorted(HARDWARE)}.")
+    require(all(prec in ("fp32", "bf16") for prec in precisions), f"precisions={precisions!r}: the planner "
+            "considers fp32 and bf16", "Pass a subset of ('fp32', 'bf16').")
+    require(strategies is None or all(s in STRATEGIES for s in strategies), f"strategies={strategies!r} names "
+            "an unknown strategy", f"Pass a subset of {tuple(STRATEGIES)}.")
     block = repeated_block(model)
     if strategies is None:
         strategies = ("full_shard", "shard_grad_op", "no_shard") + (
             ("hybrid_shard",) if 1 < hw.ranks_per_node < world_size and world_size % hw.ranks_per_node == 0 else ())
     wraps = ("blocks", "none") if block is not None else ("none",)
     shapes = {wrap: units_of_plan(model, wrap, block) for wrap in wraps}
-    acts = {(prec, ck): activation_bytes(model, batch, seq, torch.bfloat16 if prec == "bf16" else torch.float32,
-                                         block, ck, hw.device)
-            for prec in precisions for ck in ((False, True) if block is not None else (False,))}
-    param_count = sum(p.numel() for p in model.parameters())
+    acts: dict[tuple[str, bool], int] = {}
+    for prec in precisions:
+        dtype = torch.bfloat16 if prec == "bf16" else torch.float32
+        acts[(prec, False)] = activation_bytes(model, batch, seq, dtype, block, False, hw.device)
+        if block is not None:  # backward recomputes one block at a time: its activations come on top
+            kept = activation_bytes(model, batch, seq, dtype, block, True, hw.device)
+            blocks = sum(type(m) is block for m in model.modules())
+            acts[(prec, True)] = kept + (acts[(prec, False)] - kept) // blocks
     states = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
     offloads = (False, True) if hw.host_bw else (False,)  # a CPU rank's memory is host memory already
     candidates = []
     for wrap, strategy, limit, (prec, ck), offload in itertools.product(wraps, strategies, (1, 2), acts, offloads):
         c = Candidate(wrap, strategy, limit, prec, ck, offload)
-        cost(c, shapes[wrap], world=world_size, ranks_per_node=hw.ranks_per_node, acts=acts[(prec, ck)],
-             optimizer_states=states, hardware=hw, tokens=batch * seq, param_count=param_count)
+        cost(c, shapes[wrap], world=world_size, acts=acts[(prec, ck)], optimizer_states=states, hardware=hw,
+             tokens=batch * seq)
         c.fits = c.peak <= memory_budget and c.host <= hw.host_memory
         candidates.append(c)
     fitting = [c for c in candidates if c.fits]
@@ -371,9 +376,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     each block if chosen, then shard_model with its wrap, strategy, limit and precision."""
     c = plan.chosen
     if c.checkpointing and plan.block is not None:
-        for module in model.modules():
-            if type(module) is plan.block:
-                module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+        checkpoint_blocks(model, plan.block)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if c.precision == "bf16" else None
     return shard_model(model, wrap={plan.block} if c.wrap == "blocks" else None, strategy=c.strategy,
                        mp_policy=mp, offload_policy=CPUOffloadPolicy() if c.offload else None,

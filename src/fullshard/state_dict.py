@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.tensor import DTensor
 
+from fullshard.collectives import barrier, broadcast_object
 from fullshard.errors import fail, require
-from fullshard.hooks import unit_hooks
+from fullshard.hooks import units_under
 from fullshard.param import ShardedParam
 from fullshard.training import units_of
 
@@ -45,7 +46,7 @@ def state_entries(model: nn.Module) -> dict[str, Entry]:
     """Every name of `model.state_dict()` (the unwrapped model's), with what it names: a
     sharded parameter, or (module, name) of a persistent buffer or unmanaged parameter.
     Tied parameters appear under each of their names."""
-    sharded = {p.sharded: p for m in model.modules() if (hooks := unit_hooks(m)) is not None for p in hooks.unit.params}
+    sharded = {p.sharded: p for unit in units_under(model) for p in unit.params}
     entries: dict[str, Entry] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
@@ -129,7 +130,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *
             for key, value in optimizer.state.get(param, {}).items():
                 if full and isinstance(value, DTensor):
                     value = value.full_tensor()
-                if isinstance(value, torch.Tensor) and full:
+                if isinstance(value, torch.Tensor) and full and keep:
                     value = value.cpu() if cpu_offload else value.clone()
                 values[key] = value
             if values and keep:
@@ -206,7 +207,8 @@ def load_model_state(model: nn.Module, model_sd: Mapping[str, torch.Tensor]) -> 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, optim_sd: Mapping[str, Any]) -> None:
     """Load a name-keyed optimizer state dict, full (resharded here) or sharded, through
-    the optimizer's own load_state_dict; values are copied, never kept."""
+    the optimizer's own load_state_dict; values are copied, never kept, except the optimizer's
+    own state tensors (load() fills them in place), which stay as they are."""
     names = param_names(model)
     by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
     sharded = {p.sharded: p for unit in units_of(model, "set_state_dict") for p in unit.params}
@@ -222,7 +224,9 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, opt
     state = {}
     for name, values in optim_sd.get("state", {}).items():
         param = by_name[name]
-        state[index[name]] = {key: shard_like(param, sharded.get(param), value) for key, value in values.items()}
+        own = optimizer.state.get(param, {})
+        state[index[name]] = {key: value if value is own.get(key) else shard_like(param, sharded.get(param), value)
+                              for key, value in values.items()}
     torch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
                     for g in groups]
     for saved, mine in zip(torch_groups, optimizer.param_groups):  # JSON and DCP turn tuples into lists
@@ -367,13 +371,6 @@ def checkpoint_dir(path: str | os.PathLike) -> Path:
                "Pass the directory given to fullshard.save (or a torch.distributed.checkpoint directory).")
 
 
-def agree(value: str) -> str:
-    """Rank 0's string on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          step: int | None = None, extra: Any = None) -> None:
     """Save a sharded checkpoint (every rank writes its shards), atomically.
@@ -404,16 +401,16 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                    "pickle arbitrary objects.") from None
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
-    version = path / agree(f"v-{secrets.token_hex(6)}")
+    version = path / broadcast_object(f"v-{secrets.token_hex(6)}")  # rank 0's name
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         for stale in path.glob("v-*"):  # versions of saves that never finished
             if not (stale / COMPLETE).is_file():
                 shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
+    barrier()
     state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(version))
-    dist.barrier()
+    barrier()
     if dist.get_rank() == 0:
         write_durably(version / META, meta)
         write_durably(version / COMPLETE, "")
@@ -421,7 +418,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         write_durably(path / LATEST, version.name)  # the switch: atomic
         if previous and previous != version.name:
             shutil.rmtree(path / previous, ignore_errors=True)
-    dist.barrier()
+    barrier()
 
 
 def write_durably(path: Path, text: str) -> None:
@@ -555,7 +552,7 @@ def export(model: nn.Module, path: str | os.PathLike) -> None:
             out.close()
     if rank0:
         os.replace(tmp, path)
-    dist.barrier()
+    barrier()
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

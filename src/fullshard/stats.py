@@ -12,7 +12,9 @@ class Stats:
 
     Bytes are bytes this rank sends: "logical" is what a bandwidth-optimal algorithm
     must send ((N-1)/N of a gather's output, of a reduce-scatter's input, 2(N-1)/N of
-    an all-reduce), "wire" what the algorithm in use sends. `wait_s` is host time
+    an all-reduce), "wire" what the algorithm in use sends; the algorithms used here
+    (point-to-point on gloo, NCCL's rings) are bandwidth-optimal, so the two are equal.
+    `wait_s` is host time
     blocked on communication (on GPUs waits are stream waits and cost no host time).
     Peaks are of full (unsharded) parameters and gradients alive at once, in bytes.
     """
@@ -65,11 +67,11 @@ class Stats:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def count(self, unit: str, kind: str, logical: int, wire: int) -> None:
-        """One collective of `kind` ("gather", "reduce_scatter", "all_reduce") by `unit`."""
+    def count(self, unit: str, kind: str, nbytes: int) -> None:
+        """One collective of `kind` ("gather", "reduce_scatter", "all_reduce") by `unit`, sending `nbytes`."""
         setattr(self, kind + "s", getattr(self, kind + "s") + 1)
-        setattr(self, kind + "_bytes", getattr(self, kind + "_bytes") + logical)
-        setattr(self, kind + "_wire_bytes", getattr(self, kind + "_wire_bytes") + wire)
+        for counter in (kind + "_bytes", kind + "_wire_bytes"):
+            setattr(self, counter, getattr(self, counter) + nbytes)
         self.per_unit[unit][kind + "s"] += 1
 
     def full_params(self, delta: int) -> None:

@@ -12,14 +12,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from fullshard.collectives import all_reduce_
 from fullshard.errors import fail, require
-from fullshard.hooks import Phase, unit_hooks
+from fullshard.hooks import Phase, unit_hooks, units_under
 from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
 
 
 def units_of(model: nn.Module, what: str) -> list[Unit]:
-    units = [hooks.unit for m in model.modules() if (hooks := unit_hooks(m)) is not None]
+    units = units_under(model)
     if not units:
         raise fail(f"{what} was given a model that fullshard has not sharded",
                    "Call fullshard.shard_model(model) or fully_shard on it first.")
@@ -41,9 +42,7 @@ def stats(model: nn.Module) -> Stats:
     Returns:
         The :class:`Stats` object the units update; ``reset()`` zeroes it.
     """
-    units_of(model, "stats")
-    root = next(m for m in model.modules() if unit_hooks(m) is not None)
-    return unit_hooks(root).lazy_init().stats
+    return unit_hooks(units_of(model, "stats")[0].module).lazy_init().stats
 
 
 def counts_once(grad: torch.Tensor) -> bool:
@@ -70,23 +69,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         The global norm before clipping, as a plain 0-d tensor.
     """
     units_of(model, "clip_grad_norm_")
-    require(isinstance(max_norm, (int, float, torch.Tensor)) and float(max_norm) >= 0,
-            f"clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a non-negative number", "Pass e.g. 1.0.")
-    require(isinstance(norm_type, (int, float)) and float(norm_type) > 0,
-            f"clip_grad_norm_(norm_type={norm_type!r}): norm_type must be a positive number or float('inf')",
-            "Pass 2.0 (the default) or float('inf').")
+    if not (isinstance(max_norm, (int, float, torch.Tensor)) and float(max_norm) >= 0):  # messages only on failure
+        raise fail(f"clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a non-negative number", "Pass e.g. 1.0.")
+    if not (isinstance(norm_type, (int, float)) and float(norm_type) > 0):
+        raise fail(f"clip_grad_norm_(norm_type={norm_type!r}): norm_type must be a positive number or float('inf')",
+                   "Pass 2.0 (the default) or float('inf').")
     norm_type = float(norm_type)
-    grads = [p.grad for p in dict.fromkeys(model.parameters()) if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]  # tied parameters once
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     counted = [t for g, t in zip(grads, locals_) if counts_once(g) and t.numel()]
     device = locals_[0].device if locals_ else torch.device("cpu")
     total = torch.nn.utils.get_total_norm(counted, norm_type).to(device, torch.float32) if counted \
         else torch.zeros((), device=device)
     if math.isinf(norm_type):
-        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        all_reduce_(total, "max")
     else:  # the p-th powers of the ranks' local norms add up to the global one's
         total = total ** norm_type
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        all_reduce_(total, "sum")
         total = total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if locals_:
@@ -192,5 +191,5 @@ class GradScaler(torch.amp.GradScaler):
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(device))
                 if found is not found_inf:
                     found_inf.add_(found.to(found_inf.device))
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+            all_reduce_(found_inf, "max")
         return {found_inf.device: found_inf}

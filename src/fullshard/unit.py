@@ -52,7 +52,7 @@ class UnitConfig:
     free_after_forward: bool
     post_forward_world: int = 1  # >1: after forward keep 1/this of the unit, Note [smaller world after forward]
     param_dtype: torch.dtype | None = None  # of the full parameters (gather and compute); None: the master's
-    reduce_dtype: torch.dtype | None = None  # of the gradient reduction; None: param_dtype's
+    reduce_dtype: torch.dtype | None = None  # of the gradient reduction; None: the compute dtype
     input_dtype: torch.dtype | None = None  # floating forward inputs are cast to it
     output_dtype: torch.dtype | None = None  # floating forward outputs are cast to it
     offload: bool = False  # shards and their gradients live on the CPU
@@ -81,8 +81,8 @@ class Unit:
         self.step = 0  # the root's step count, for messages
         self.timeout = timedelta(seconds=300)  # Note [named hangs]
         self.debug = False  # check before each collective that every rank runs the same one
-        self.check_finite = False  # record non-finite reduced gradients (hooks decide what to do)
-        self.saw_nonfinite = False
+        self.nonfinite: str | None = None  # None, "raise" or "skip": what a non-finite reduced gradient does
+        self.saw_nonfinite = False  # (hooks settle it once per step)
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
         self.shard_numels = [shard_numel(o.param.shape, group.world) for o in owned]
@@ -97,7 +97,7 @@ class Unit:
             p.to_sharded()
         self.state = ShardState.SHARDED
         self.pending: PendingGather | None = None
-        self.pending_reduce: tuple[list[ShardedParam], list[int], PendingReduce] | None = None
+        self.pending_reduce: tuple[list[ShardedParam], bool, PendingReduce] | None = None
         self.small_group = smaller_group(group, config.post_forward_world) if self.full_flat is not None else None
         self.small: torch.Tensor | None = None  # Note [smaller world after forward]
         self.gathering_small = False
@@ -161,7 +161,7 @@ class Unit:
             self.pending = gather_full(source, group=group, dtype=self.compute_dtype, device=self.compute_device,
                                        pool=self.pool, tag=p2p_tag(self.index, 0))
         if group is not None:
-            self.stats.count(self.fqn, "gather", self.pending.traffic.logical, self.pending.traffic.wire)
+            self.stats.count(self.fqn, "gather", self.pending.sent_bytes)
 
     def wait_unshard(self) -> None:
         """Finish the gather and register the full parameters on the modules."""
@@ -173,9 +173,6 @@ class Unit:
             with torch.profiler.record_function(f"fullshard::wait gather {self.fqn}"):
                 self.finish_gather()
             self.stats.wait_s += time.perf_counter() - start
-            self.pending = None
-            if self.gathering_small:
-                self.drop_small()
             if self.compute_dtype == self.local_flat.dtype:
                 with torch.no_grad():
                     for p in self.params:
@@ -186,11 +183,15 @@ class Unit:
         self.state = ShardState.FULL
 
     def finish_gather(self) -> None:
+        """Wait for the gather in flight into the full parameters; drop the copy it gathered from."""
         try:
             finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool,
                           timeout=self.timeout)
         except CollectiveError as e:
             raise self.failed("all-gather", e) from None
+        self.pending = None
+        if self.gathering_small:
+            self.drop_small()
 
     def failed(self, collective: str, error: Exception) -> FullShardError:
         """Note [named hangs]: the error a rank raises when a collective of this unit does not finish."""
@@ -244,16 +245,13 @@ class Unit:
             self.drop_small()
         if self.pending is not None:  # a prefetch nobody used: finish it, then drop it
             self.finish_gather()
-            self.pending = None
             self.state = ShardState.FULL
-            if self.gathering_small:
-                self.drop_small()
         if self.state is ShardState.SHARDED:
             return
         for p in self.params:
             p.to_sharded()
         if self.full_flat is not None:
-            self.full_flat.untyped_storage().resize_(0)
+            self.release_storage()
             self.stats.full_params(-self.full_bytes)
         self.state = ShardState.SHARDED
 
@@ -302,6 +300,7 @@ class Unit:
         group = self.group
         numels = [p.shard_numel for p in grad_params]
         full_grads = [p.unsharded.grad for p in grad_params]
+        all_here = all(g is not None for g in full_grads)  # then every reduced flag is set
         if self.debug:
             self.check_agreement(1, sum(1 << i for i, g in enumerate(full_grads) if g is not None) % (1 << 62))
         self.count_full_grads()
@@ -316,7 +315,7 @@ class Unit:
                 p.unsharded.grad = None
             del full_grads
             self.count_full_grads()
-        self.pending_reduce = (grad_params, numels, pending)
+        self.pending_reduce = (grad_params, all_here, pending)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction in flight and add it to the shards' gradients.
@@ -325,7 +324,7 @@ class Unit:
         """
         if self.pending_reduce is None:
             return
-        grad_params, numels, pending = self.pending_reduce
+        grad_params, all_here, pending = self.pending_reduce
         self.pending_reduce = None
         start = time.perf_counter()
         with torch.profiler.record_function(f"fullshard::wait reduce {self.fqn}"):
@@ -333,12 +332,13 @@ class Unit:
                 shard = finish_reduce(pending, self.pool, timeout=self.timeout)  # [grad_shard_numel + n_flags]
             except CollectiveError as e:
                 raise self.failed("reduce-scatter", e) from None
-        if self.check_finite and not bool(torch.isfinite(shard).all()):
+        if self.nonfinite is not None and not bool(torch.isfinite(shard).all()):
             self.saw_nonfinite = True
         self.stats.wait_s += time.perf_counter() - start
-        for kind, traffic in pending.traffic:
-            self.stats.count(self.fqn, kind, traffic.logical, traffic.wire)
-        flags = shard[sum(numels):].tolist()
+        for kind, nbytes in pending.traffic:
+            self.stats.count(self.fqn, kind, nbytes)
+        numels = [p.shard_numel for p in grad_params]
+        flags = [True] * len(numels) if all_here else shard[sum(numels):].tolist()  # reading them waits for the GPU
         offset = 0
         for p, numel, flag in zip(grad_params, numels, flags):
             if flag:
@@ -360,8 +360,8 @@ class Unit:
             if p.sharded.grad is None:
                 p.accumulate_grad(torch.zeros(p.local_shape, dtype=p.sharded.dtype, device=self.local_flat.device))
         try:
-            traffic = all_reduce_tensors([p.sharded.grad.to_local() for p in grad_params], group=self.group.replicate_pg,
-                                         timeout=self.timeout)
+            nbytes = all_reduce_tensors([p.sharded.grad.to_local() for p in grad_params], group=self.group.replicate_pg,
+                                        timeout=self.timeout)
         except CollectiveError as e:
             raise self.failed("all-reduce across replicas", e) from None
-        self.stats.count(self.fqn, "all_reduce", traffic.logical, traffic.wire)
+        self.stats.count(self.fqn, "all_reduce", nbytes)

@@ -111,7 +111,7 @@ def shard_model(
                         prefetch_after_backward=backward_prefetch == "post",
                         forward_prefetch=bool(forward_prefetch), limit=limit_all_gathers)
     inner_mp = None if mp_policy is None else dataclasses.replace(mp_policy, output_dtype=None)
-    for module, exclude in units:
+    for module, exclude, _ in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=spec["reshard_after_forward"],
                     mp_policy=mp_policy if module is model else inner_mp,  # output_dtype: the root's output only
                     offload_policy=offload_policy, _exclude=exclude, _schedule=schedule)
@@ -120,8 +120,10 @@ def shard_model(
     return model
 
 
-def choose_units(model: nn.Module, wrap: WrapPolicy) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Units bottom-up (the root last), each with the parameters it must leave to an ancestor.
+def choose_units(model: nn.Module,
+                 wrap: WrapPolicy) -> list[tuple[nn.Module, list[nn.Parameter], list[nn.Parameter]]]:
+    """Units bottom-up (the root last), each with the parameters it must leave to an ancestor
+    and those it owns.
 
     A parameter whose holders are not all inside a unit's subtree (a tied weight) is
     left to the lowest enclosing unit; a unit left with no parameters is dropped.
@@ -129,12 +131,13 @@ def choose_units(model: nn.Module, wrap: WrapPolicy) -> list[tuple[nn.Module, li
     holders = holder_names(model)
     modules = list(model.named_modules())
     select = selector(wrap)
-    chosen: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    chosen: list[tuple[nn.Module, list[nn.Parameter], list[nn.Parameter]]] = []
     taken: set[nn.Parameter] = set()
     for name, module in reversed(modules):  # reversed pre-order: children before parents
         inside = [p for p in unique_params(module) if p not in taken]
         exclude = [p for p in inside if not all(is_within(h, name) for h in holders[p])] if name else []
-        own = [p for p in inside if not any(p is q for q in exclude)]
+        excluded = set(exclude)  # parameters hash by identity
+        own = [p for p in inside if p not in excluded]
         if name and not (own and select(module, name, own)):
             continue
         if isinstance(module, NOT_CALLED):
@@ -143,7 +146,7 @@ def choose_units(model: nn.Module, wrap: WrapPolicy) -> list[tuple[nn.Module, li
                            f"never called, so its unit would never be gathered",
                            "Select the modules inside it instead (e.g. the blocks, not the list of blocks).")
             continue
-        chosen.append((module, exclude))
+        chosen.append((module, exclude, own))
         taken.update(own)
     return chosen
 
