@@ -19,19 +19,16 @@ import fullshard
 from fullshard.gpt import Block
 
 from fullshard.bench import BATCHES, build_model
-
-
-def status(field: str) -> int:
-    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
+from fullshard.stats import process_memory
 
 
 def measure(label: str, fn) -> None:
     open("/proc/self/clear_refs", "w").write("5")
-    before = status("VmRSS")
+    before = process_memory("VmRSS")
     start = time.perf_counter()
     fn()
     took = time.perf_counter() - start
-    rise = torch.tensor([float(status("VmHWM") - before)])
+    rise = torch.tensor([float(process_memory("VmHWM") - before)])
     dist.all_reduce(rise, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         print(f"| {label} | {rise.item() / 2**20:.0f} | {took:.2f} |", flush=True)

@@ -37,15 +37,13 @@ def worker(preset: str, strategy: str, precision: str, batch: int, out: str) -> 
 
     import fullshard
     from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
-
-    def status(field: str) -> int:
-        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
+    from fullshard.stats import process_memory
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     x = torch.randint(0, 256, (batch, 129))
     open("/proc/self/clear_refs", "w").write("5")
-    base = status("VmRSS")
+    base = process_memory("VmRSS")
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(GPTConfig(block_size=128, vocab_size=256, **PRESETS[preset]))
@@ -65,7 +63,7 @@ def worker(preset: str, strategy: str, precision: str, batch: int, out: str) -> 
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
-    peak = torch.tensor([float(status("VmHWM") - base), statistics.median(times[1:])])  # the first step warms up
+    peak = torch.tensor([float(process_memory("VmHWM") - base), statistics.median(times[1:])])  # the first step warms up
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"peak": peak[0].item(), "step_s": peak[1].item(),

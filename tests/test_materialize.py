@@ -10,6 +10,7 @@ from torch import nn
 import fullshard
 from fullshard import FullShardError
 from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.stats import process_memory
 from tests.models import gpt_loss, hf_llama, hf_loss, hf_units, tiny_gpt, token_batch
 from tests.world import World
 from tests.reference import full_state, global_batches, make_optimizer, max_diff, train
@@ -159,11 +160,6 @@ def test_fully_shard_on_meta_then_to_empty(world2):
     assert_parity(results, "adamw")
 
 
-def status_bytes(field: str) -> int:
-    line = next(line for line in open("/proc/self/status") if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
 def construction_memory_job() -> dict:
     """Peak resident memory of building a 113M-parameter (454 MB) GPT on meta and sharding it."""
     cfg = GPTConfig(block_size=64, vocab_size=256, n_layer=16, n_head=8, n_embd=768)
@@ -172,12 +168,12 @@ def construction_memory_job() -> dict:
     full = sum(p.numel() * 4 for p in probe.parameters())
     unit = sum(p.numel() * 4 for p in probe.h[0].parameters())  # a block's full parameters: 28 MB
     open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from now
-    before = status_bytes("VmRSS")
+    before = process_memory("VmRSS")
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(cfg)
     fullshard.shard_model(model, wrap={Block})
-    return {"full": full, "unit": unit, "peak": status_bytes("VmHWM") - before,
+    return {"full": full, "unit": unit, "peak": process_memory("VmHWM") - before,
             "shard": sum(p.to_local().numel() * 4 for p in model.parameters())}
 
 

@@ -16,6 +16,7 @@ import fullshard
 from fullshard import FullShardError
 from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
 from fullshard.planner import HARDWARE
+from fullshard.stats import process_memory
 from tests.world import World
 
 CPU = dataclasses.replace(HARDWARE["cpu"], ranks_per_node=2)
@@ -32,16 +33,12 @@ def predicted(preset: str, world: int, strategy: str, precision: str, batch: int
     return next(c for c in plan.candidates if c.wrap == "blocks" and c.limit_all_gathers == 2 and not c.checkpointing)
 
 
-def status(field: str) -> int:
-    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
-
-
 def run_job(preset: str, strategy: str, precision: str, batch: int, plan_budget: float | None = None) -> dict:
     """Build on meta, shard (as given, or by a plan for `plan_budget`), train 3 steps; the peak
     resident memory above the process before building, and the bytes of the last step."""
     x = torch.randint(0, 256, (batch, 129))
     open("/proc/self/clear_refs", "w").write("5")
-    before = status("VmRSS")
+    before = process_memory("VmRSS")
     torch.manual_seed(0)
     model = meta_gpt(preset)
     world = dist.get_world_size()
@@ -62,7 +59,7 @@ def run_job(preset: str, strategy: str, precision: str, batch: int, plan_budget:
             model(x[:, :-1], x[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
-    peak = torch.tensor([float(status("VmHWM") - before)])
+    peak = torch.tensor([float(process_memory("VmHWM") - before)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"peak": peak.item(), "intra": stats.intra_group_bytes, "cross": stats.cross_group_bytes}
 

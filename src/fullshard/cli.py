@@ -330,9 +330,10 @@ def peak_memory_mb(device) -> float:
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    status = Path("/proc/self/status")
-    if status.is_file():
-        return next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:")) / 1024
+    if Path("/proc/self/status").is_file():
+        from fullshard.stats import process_memory
+
+        return process_memory("VmHWM") / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -94,3 +94,9 @@ class Stats:
         out["peak_full_param_bytes"] = self.peak_full_param_bytes
         out["peak_full_grad_bytes"] = self.peak_full_grad_bytes
         return out
+
+
+def process_memory(field: str) -> int:
+    """One of this process's memory figures in /proc/self/status (VmRSS, VmHWM, ...), in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
