@@ -7,9 +7,12 @@ the mean of the ranks' losses on equal slices is the loss on the whole batch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -199,3 +202,88 @@ def model_spec(name: str):
         return MODELS[name]
     factory = {"hf_gpt2": hf_gpt2, "hf_llama": hf_llama}[name]
     return factory, token_batch, hf_loss, hf_units(name)
+
+
+# ---- stream-model runs (tests/test_streams.py, tests/test_gpu_paths.py) ---------------------
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@functools.cache
+def hybrid_mesh(replicas: int, shard: int):
+    """One mesh per shape per rank process: building one creates process groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def build(strategy: str, precision: str, offload: bool, mode: str, n_layer: int = 2) -> GPT:
+    """A GPT (no biases: fewer parameters, the same code paths) of `n_layer` block units
+    and a root, sharded by `strategy` ("full_shard", "shard_grad_op", "no_shard",
+    "hybrid_f1"/"hybrid_f2": shard groups of 1/2, "reshard_to_2": reshard_after_forward=2),
+    with prefetch unless `mode` is "no_prefetch"."""
+    import fullshard
+    from fullshard.hooks import Schedule
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=n_layer, n_head=2, n_embd=30, bias=False))
+    mp = fullshard.MixedPrecisionPolicy(param_dtype=LOW[precision]) if precision in LOW else None
+    policy = fullshard.CPUOffloadPolicy() if offload else None
+    prefetch = mode != "no_prefetch"
+    options = dict(mp_policy=mp, offload_policy=policy)
+    if strategy == "reshard_to_2":
+        schedule = Schedule(prefetch_before_backward=prefetch, forward_prefetch=prefetch, limit=2)
+        for block in model.h:
+            fullshard.fully_shard(block, reshard_after_forward=2, _schedule=schedule, **options)
+        fullshard.fully_shard(model, _schedule=schedule, **options)
+    else:
+        world = dist.get_world_size()
+        mesh = {"hybrid_f1": hybrid_mesh(world, 1), "hybrid_f2": hybrid_mesh(world // 2, 2)}.get(strategy)
+        fullshard.shard_model(model, wrap={Block}, mesh=mesh,
+                              strategy="hybrid_shard" if strategy.startswith("hybrid") else strategy,
+                              backward_prefetch="pre" if prefetch else None, forward_prefetch=prefetch, **options)
+    # as the CLI sets it: fp16's overflow steps are the GradScaler's to skip
+    model.set_nonfinite_grads(None if precision == "fp16" else "raise")
+    return model
+
+
+def train_modelled(model: GPT, model_rt, precision: str, offload: bool, mode: str, steps: int) -> list[int]:
+    """Train `steps` steps (SGD) under `model_rt`, a fullshard.stream_model.StreamModel;
+    return the host syncs of each step. `mode`: "prefetch"/"no_prefetch" (one backward
+    per step), "accumulate" (two), "no_sync" (two, the first under fullshard.no_sync)."""
+    import fullshard
+    from fullshard.hooks import units_under
+    from tests.reference import global_batches, local_slice
+
+    if offload:  # the shards live in host memory, as with a GPU
+        model_rt.mark_host(*[unit.local_flat for unit in units_under(model)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
+    scaler = fullshard.GradScaler("cpu", init_scale=2.0**8) if precision == "fp16" else None
+    micro = 1 if mode in ("prefetch", "no_prefetch") else 2
+    rank, world = dist.get_rank(), dist.get_world_size()
+    syncs = []
+    for step, batch in enumerate(global_batches(token_batch, steps, 4 * micro)):
+        before = model_rt.host_syncs
+        with model_rt.counting_scalars():
+            for i in range(micro):
+                part = tuple(t.chunk(micro)[i] for t in batch)
+                quiet = fullshard.no_sync(model) if mode == "no_sync" and i == 0 else contextlib.nullcontext()
+                with quiet:
+                    loss = model(*local_slice(part, rank, world)) / micro
+                    (scaler.scale(loss) if scaler else loss).backward()
+                model_rt.check_joined(f"step {step}, end of backward {i}")
+            if scaler:
+                scaler.unscale_(optimizer)
+            fullshard.clip_grad_norm_(model, 1.0)
+        syncs.append(model_rt.host_syncs - before)
+        for p in model.parameters():  # the optimizer reads gradients and writes shards (the host with offload)
+            if p.grad is not None:
+                model_rt.reads(p.grad)
+            model_rt.writes(p)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    return syncs

@@ -11,10 +11,11 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import fullshard
-from fullshard.collectives import (BufferPool, finish_gather, finish_reduce, gather_full, p2p_tag,
+from fullshard.collectives import (BufferPool, Caller, finish_gather, finish_reduce, gather_full, p2p_tag,
                                    reduce_scatter_grads)
+from tests.world import COLLECTIVE_TIMEOUT_S
 
-TIMEOUT = timedelta(seconds=20)
+TIMEOUT = timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # no hang is tested here: the world's own timeout
 # 0-d; fewer rows than 4 ranks (empty shards); uneven; even; 1-d and 2-d
 SHAPES = [(), (1,), (3,), (1, 5), (7, 2), (4, 3), (13,)]
 
@@ -81,11 +82,13 @@ def collectives_job(seed: int) -> dict:
     local = torch.cat([p.chunk(world)[rank].reshape(-1) for p in padded])
     pool = BufferPool()
     cpu, f32 = torch.device("cpu"), torch.float32
-    first = gather_full(local, group=group, dtype=f32, device=cpu, pool=pool, tag=p2p_tag(0, 0))
-    second = gather_full(2 * local, group=group, dtype=f32, device=cpu, pool=pool, tag=p2p_tag(1, 0))
+    first = gather_full(local, group=group, dtype=f32, device=cpu, pool=pool,
+                        caller=Caller(p2p_tag(0, 0), TIMEOUT))
+    second = gather_full(2 * local, group=group, dtype=f32, device=cpu, pool=pool,
+                         caller=Caller(p2p_tag(1, 0), TIMEOUT))
     outs, twice = [torch.empty_like(p) for p in padded], [torch.empty_like(p) for p in padded]
-    finish_gather(first, outs, [p.numel() // world for p in padded], pool, timeout=TIMEOUT)
-    finish_gather(second, twice, [p.numel() // world for p in padded], pool, timeout=TIMEOUT)
+    finish_gather(first, outs, [p.numel() // world for p in padded], pool)
+    finish_gather(second, twice, [p.numel() // world for p in padded], pool)
     gather_ok = all(torch.equal(o, p) and torch.equal(t, 2 * p) for o, t, p in zip(outs, twice, padded))
 
     grads = [torch.randn(f.shape, generator=torch.Generator().manual_seed(seed + rank + 1)) for f in fulls]
@@ -95,8 +98,8 @@ def collectives_job(seed: int) -> dict:
     numels = [p.numel() // world for p in padded] + [1, 1, 1]
     shard = torch.empty(sum(numels) + len(numels))
     pending = reduce_scatter_grads(grads, numels, groups=(group, None), dp_size=world, shard=shard, pool=pool,
-                                   tag=p2p_tag(0, 1))
-    shard = finish_reduce(pending, pool, timeout=TIMEOUT)
+                                   caller=Caller(p2p_tag(0, 1), TIMEOUT))
+    shard = finish_reduce(pending, pool)
     all_grads = [[torch.zeros_like(g) for _ in range(world)] for g in grads[:3]]
     for bucket, g in zip(all_grads, grads[:3]):
         dist.all_gather(bucket, g)

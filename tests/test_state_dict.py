@@ -19,7 +19,7 @@ from tests.models import gpt_loss, model_spec, tiny_gpt, token_batch
 from tests.reference import full_state, global_batches, make_optimizer, max_diff, train
 from tests.test_errors import raises
 from tests.test_hybrid import hybrid_mesh
-from tests.world import free_port
+from tests.world import JOB_TIMEOUT_S, World
 
 
 def sharded(strategy: str = "full_shard", seed: int = 0, model: str = "gpt"):
@@ -138,35 +138,45 @@ def read_job(path: str) -> dict:
     return {"meta": meta, "values": values}
 
 
-def test_a_killed_save_leaves_the_previous_checkpoint_readable(world1, tmp_path):
+def save_steps_job(path: str, ready: str, first: int, last: int) -> None:
+    """Save a checkpoint for each step from `first` to `last` of a model whose every parameter
+    equals the step; an empty file ready/rank<N> says the first is complete."""
+    model = fullshard.shard_model(tiny_gpt())
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in range(first, last + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(float(step))
+        fullshard.save(path, model, optimizer, step=step, extra={"step": step})
+        if step == first:
+            Path(ready, f"rank{dist.get_rank()}").touch()
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint_readable(world1, world2, tmp_path):
     """SIGKILL a rank at a random moment of a run of saves, several times; every time the
     checkpoint at the path is a complete one whose parameters all equal its step."""
-    path, job = tmp_path / "ckpt", Path(__file__).with_name("save_job.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "GLOO_SOCKET_IFNAME": "lo",
-           "OMP_NUM_THREADS": "1"}
-
-    def launch(first: int, last: int, pids: Path) -> subprocess.Popen:
-        pids.mkdir()
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                 "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(job), str(path),
-                                 str(pids), str(first), str(last)],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-    assert launch(0, 0, tmp_path / "pids0").wait(timeout=120) == 0
+    path = str(tmp_path / "ckpt")
+    (tmp_path / "ready0").mkdir()
+    world2.run(save_steps_job, path=path, ready=str(tmp_path / "ready0"), first=0, last=0)
     rng = random.Random(0)
-    for trial in range(1, 5):
-        pids = tmp_path / f"pids{trial}"
-        run = launch(100 * trial, 100 * trial + 1000, pids)
-        while len(list(pids.glob("rank*"))) < 2 or not all(p.read_text() for p in pids.glob("rank*")):
-            time.sleep(0.05)
-        time.sleep(rng.uniform(1.0, 3.0))  # the workers spend this time saving, again and again
-        os.kill(int((pids / f"rank{rng.randrange(2)}").read_text()), signal.SIGKILL)
-        os.killpg(run.pid, signal.SIGKILL)
-        run.wait(timeout=60)
-        got = world1.run(read_job, path=str(path))[0]
-        step = got["meta"]["step"]
-        assert got["meta"]["extra"] == {"step": step}
-        assert got["values"] == {repr([float(step)])}, (trial, step, got["values"])
+    with World(2, forked=True) as savers:  # replaced after every kill
+        for trial in range(1, 5):
+            ready = tmp_path / f"ready{trial}"
+            ready.mkdir()
+            savers.submit(save_steps_job, path=path, ready=str(ready), first=100 * trial, last=100 * trial + 1000)
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while len(list(ready.iterdir())) < 2:
+                assert savers.results.empty(), "a rank failed before its first save"
+                assert time.monotonic() < deadline, "the first save of the trial did not complete"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.1, 0.5))  # the ranks spend this time saving, again and again
+            os.kill(savers.procs[rng.randrange(2)].pid, signal.SIGKILL)
+            savers.restart()  # the other rank may be waiting for the dead one in a collective
+            got = world1.run(read_job, path=path)[0]
+            step = got["meta"]["step"]
+            assert got["meta"]["extra"] == {"step": step}
+            assert got["values"] == {repr([float(step)])}, (trial, step, got["values"])
+            assert step >= 100 * trial  # never older than a save that had returned
 
 
 def torch_side_job(path: str, direction: str) -> dict:

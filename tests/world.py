@@ -4,8 +4,16 @@ Spawning a rank costs a torch import (seconds on 2 cores), a job costs about a
 millisecond, so each world is started once per session and fed jobs: module-level
 functions called with keyword arguments on every rank, whose return values come back
 as a list indexed by rank. Every collective has a timeout, so a rank stuck in a
-collective fails in seconds; after any failure the pool is replaced, since the other
-ranks may still be blocked in the collective the failed one never joined.
+collective fails instead of hanging; after any failure the pool is replaced, since the
+other ranks may still be blocked in the collective the failed one never joined.
+
+Note [forked ranks]: a world started with `forked=True` forks its ranks from one
+server process that has imported torch, fullshard and the Hugging Face models once
+for the session, so a new world costs a fork, not seconds of imports per rank. The
+server only imports (no torch.cuda call), so its ranks may still use GPUs; but they
+inherit its memory and environment, so a test that measures a new process's memory,
+or sets environment variables for the ranks to read at start, uses a spawned world
+(the default).
 """
 
 from __future__ import annotations
@@ -20,8 +28,16 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-COLLECTIVE_TIMEOUT_S = 20
-JOB_TIMEOUT_S = 240
+# generous: on 2 cores shared with other work a rank can wait tens of seconds for a
+# descheduled peer; a collective that never completes still fails within the minute
+COLLECTIVE_TIMEOUT_S = 60
+# a job takes seconds, the longest about a minute on 2 cores shared with other work;
+# one still running after this is hung
+JOB_TIMEOUT_S = 300
+# imported once by the server that forks the ranks of forked worlds (Note [forked ranks]);
+# torch._dynamo is imported lazily by the first DTensor a job builds, and costs a second
+FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fullshard",
+                "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
 
 def free_port() -> int:
@@ -57,15 +73,19 @@ def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue) ->
 
 
 class World:
-    """`size` ranks that run jobs; `run(fn, **kwargs)` returns each rank's return value."""
+    """`size` ranks that run jobs; `run(fn, **kwargs)` returns each rank's return value.
+    `forked`: fork the ranks from a server that has imported torch (Note [forked ranks])."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, forked: bool = False) -> None:
         self.size = size
+        self.forked = forked
         self.procs: list[mp.Process] = []
         self.start()
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver" if self.forked else "spawn")
+        if self.forked:
+            ctx.set_forkserver_preload(FORK_PRELOAD)  # read once, when the first forked world starts the server
         port = free_port()
         self.jobs = [ctx.Queue() for _ in range(self.size)]
         self.results = ctx.Queue()
@@ -74,9 +94,13 @@ class World:
         for proc in self.procs:
             proc.start()
 
-    def run(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+    def submit(self, fn: Callable[..., Any], **kwargs: Any) -> None:
+        """Start `fn(**kwargs)` on every rank without waiting for it (`run` waits)."""
         for jobs in self.jobs:
             jobs.put((fn, kwargs))
+
+    def run(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        self.submit(fn, **kwargs)
         got: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while len(got) < self.size:

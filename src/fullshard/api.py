@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fullshard import runtime
 from fullshard.collectives import all_gather_ints, all_gather_objects
 
 from fullshard.errors import fail
@@ -190,6 +191,18 @@ def prefetch_targets(modules: list[nn.Module], what: str) -> list[UnitHooks]:
     return [unit_hooks(m) for m in modules]
 
 
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Put the buffers under `module` on the compute device, as the parameters are (a model
+    built on the CPU keeps e.g. rotary `inv_freq` there, and forward would mix devices).
+    As FSDP2 does, each buffer object stays and only its data moves, so every reference to
+    it (a buffer registered in several modules, one a user kept) stays valid; meta buffers
+    wait for materialization."""
+    with torch.no_grad():
+        for buffer in module.buffers():  # each tensor once
+            if not buffer.is_meta and runtime.active.elsewhere(buffer, device):
+                buffer.data = runtime.active.to_device(buffer, device)
+
+
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -282,7 +295,9 @@ def fully_shard(
     mesh's shard dimension (``Replicate()`` over a replicate dimension), so an optimizer
     built from ``model.parameters()`` steps on shards. Before the unit's forward and
     backward one all-gather rebuilds the full parameters; after its backward one
-    reduce-scatter leaves each rank the average gradient of its shard.
+    reduce-scatter leaves each rank the average gradient of its shard. The module's
+    buffers move to the compute device (in place: the buffer objects stay the same, so
+    references to them stay valid); they are not sharded.
 
     Args:
         module: the module to shard; it is returned, with its class swapped to a subclass
@@ -339,6 +354,7 @@ def fully_shard(
         pin_memory=offload_policy is not None and offload_policy.pin_memory,
     )
     unit = Unit(module, owned, group, config)
+    move_buffers(module, group.device)
     for o in owned:
         _OWNER[o.param] = f"{type(module).__name__} (as {o.fqn!r})"
     module.__class__ = fsdp_class(type(module))

@@ -15,6 +15,11 @@ implementation, medians over runs:
 - rss: peak resident memory of the busiest rank (the OS's ru_maxrss);
 - sent: bytes a rank sends per step, as the backend's algorithms move them;
 - loss: the final loss (same data everywhere, so it must agree);
+- syncs: fullshard's host syncs per step (forward, backward, clip) with the non-finite
+  check on, as `fullshard train` runs by default (without offload: the one read of every
+  unit's non-finite flag), counted after the measurements on a model of CUDA streams
+  (fullshard.stream_model): on a GPU each stalls the host until the GPU catches up. A
+  small constant, whatever the number of units;
 and each figure's ratio to FSDP2's.
 """
 
@@ -112,6 +117,30 @@ def sent_bytes_per_step(impl: str, model, step) -> int:
     return log.sent
 
 
+def host_syncs_per_step(model, batch: tuple, optimizer) -> int:
+    """fullshard's host syncs in one training step (forward, backward, clip) as `fullshard
+    train` runs it, with the non-finite check on (its default): counted on
+    fullshard.stream_model's model of CUDA streams. The step's gradients are dropped and
+    the model's own non-finite policy is left as it was."""
+    import fullshard
+    from fullshard import runtime
+    from fullshard.hooks import units_under
+    from fullshard.stream_model import StreamModel
+
+    policies = [unit.nonfinite for unit in units_under(model)]
+    model.set_nonfinite_grads("raise")
+    model_rt = StreamModel()
+    try:
+        with runtime.installed(model_rt), model_rt.tracking(), model_rt.counting_scalars():
+            model(*batch).backward()
+            fullshard.clip_grad_norm_(model, 1.0)
+    finally:
+        for unit, policy in zip(units_under(model), policies):
+            unit.nonfinite = policy
+        optimizer.zero_grad()
+    return model_rt.host_syncs
+
+
 def worker(args: argparse.Namespace) -> None:
     """One run: train `args.steps` timed steps after warm-up; rank 0 writes the figures."""
     import torch
@@ -168,6 +197,11 @@ def worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
     cpu = (time.process_time() - cpu0) / args.steps
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    syncs = -1  # not counted
+    if args.impl == "fullshard":  # after the measurements, on a batch of its own: the figures above stay alike
+        data = torch.randint(0, 256, (global_batch, seq + 1), generator=torch.Generator().manual_seed(1))
+        data = data[rank * local:(rank + 1) * local]
+        syncs = host_syncs_per_step(model, (data[:, :-1], data[:, 1:]), optimizer)
     figures = torch.tensor([cpu, rss], dtype=torch.float64)
     if distributed:
         gathered = [torch.zeros_like(figures) for _ in range(world)]
@@ -177,7 +211,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps({
             "step": statistics.median(times), "cpu": sum(g[0].item() for g in gathered),
-            "rss": max(g[1].item() for g in gathered), "sent": sent, "loss": losses[-1]}))
+            "rss": max(g[1].item() for g in gathered), "sent": sent, "loss": losses[-1], "syncs": syncs}))
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -211,12 +245,13 @@ def table(preset: str, dtype: str, runs: dict[str, list[dict]]) -> str:
     med = {impl: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for impl, rs in runs.items()}
     base = med.get("fsdp2")
     lines = [f"\n### {preset}, {dtype}, world 2 ({len(next(iter(runs.values())))} alternating runs)\n",
-             "| impl | step s | cpu s/step | peak RSS MB | sent MB/step | final loss | step / FSDP2 | cpu / FSDP2 "
-             "| RSS / FSDP2 | sent / FSDP2 |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| impl | step s | cpu s/step | peak RSS MB | sent MB/step | final loss | host syncs/step | step / FSDP2 "
+             "| cpu / FSDP2 | RSS / FSDP2 | sent / FSDP2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for impl, m in med.items():
         ratios = [f"{m[k] / base[k]:.2f}" if base and base[k] else "-" for k in ("step", "cpu", "rss", "sent")]
+        syncs = f"{m['syncs']:.0f}" if m.get("syncs", -1) >= 0 else "-"
         lines.append(f"| {impl} | {m['step']:.3f} | {m['cpu']:.3f} | {m['rss'] / 2**20:.0f} | {m['sent'] / 2**20:.1f} "
-                     f"| {m['loss']:.4f} | " + " | ".join(ratios) + " |")
+                     f"| {m['loss']:.4f} | {syncs} | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import fnmatch
 import json
 import math
 import os
@@ -18,6 +20,7 @@ import sys
 import sysconfig
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +62,8 @@ class TrainConfig:
     nproc: int = opt(0, "ranks to start (0: 1 per GPU, else 2); ignored under torchrun")
     max_restarts: int = opt(0, "restart all ranks this many times when one fails; they resume from the checkpoint")
     timeout: float = opt(300.0, "seconds a collective may wait before failing with an error naming the unit")
-    nonfinite: str = opt("raise", "an inf/NaN gradient: 'raise' (stop, naming the unit and step), 'skip' the step, 'off'")
+    nonfinite: str = opt("raise", "an inf/NaN gradient: 'raise' (stop, naming the unit and step), 'skip' the step, "
+                                  "'off' (with --precision fp16 the loss scaler decides)")
     debug_checks: bool = opt(False, "check before every collective that all ranks run the same one (slower)")
     plan: str = opt("off", "'auto': let fullshard.plan choose wrap, strategy, limit, precision and checkpointing "
                            "for --memory-budget (overrides those options)")
@@ -120,6 +124,16 @@ def problem(cfg: TrainConfig) -> str | None:
     if cfg.data is not None and not Path(cfg.data).exists():
         return f"--data {cfg.data}: no such file or directory"
     return None
+
+
+def nonfinite_policy(cfg: TrainConfig) -> str | None:
+    """What a non-finite reduced gradient does (model.set_nonfinite_grads). Under fp16 the
+    loss scaler's overflow steps are ordinary: fullshard.GradScaler skips them and lowers
+    the scale on every rank; raising would stop training and skipping first would hide
+    the overflow from the scaler, whose scale would then never come down."""
+    if cfg.nonfinite == "off" or cfg.precision == "fp16":
+        return None
+    return cfg.nonfinite
 
 
 def parse_bytes(text: str) -> int | None:
@@ -286,8 +300,7 @@ def corpus(cfg: TrainConfig) -> tuple[bytes, bytes, str]:
     """(train bytes, validation bytes, description). Files are split deterministically by a
     hash of their path: about one in 20 is validation."""
     root = Path(cfg.data) if cfg.data else Path(sysconfig.get_paths()["stdlib"])
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*.py" if cfg.data is None else "*")
-                                                if p.is_file() and "site-packages" not in p.parts)
+    files = [root] if root.is_file() else sorted(files_under(root, "*.py" if cfg.data is None else "*"))
     train_parts, val_parts = [], []
     for path in files:
         data = path.read_bytes()
@@ -298,6 +311,17 @@ def corpus(cfg: TrainConfig) -> tuple[bytes, bytes, str]:
         cut = len(whole) * 19 // 20
         train_parts, val_parts = [whole[:cut]], [whole[cut:]]
     return b"".join(train_parts), b"".join(val_parts), f"{root} ({len(files)} files)"
+
+
+def files_under(root: Path, pattern: str) -> Iterator[Path]:
+    """The files below `root` whose names match `pattern`, except in site-packages folders:
+    installed packages are not the standard library, and walking them costs more than
+    reading the standard library does."""
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name != "site-packages"]
+        for name in fnmatch.filter(names, pattern):
+            if (path := Path(folder, name)).is_file():
+                yield path
 
 
 def batch_offsets(data_len: int, step: int, cfg: TrainConfig):
@@ -354,7 +378,8 @@ def train(cfg: TrainConfig) -> int:
     store, rank, world = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"fullshard/attempt-{attempt}", store),
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.timeout + 60))  # NCCL's watchdog after our error
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
@@ -401,7 +426,7 @@ def train(cfg: TrainConfig) -> int:
             forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None)
     model.set_timeout(cfg.timeout)
     model.set_debug_checks(cfg.debug_checks)
-    model.set_nonfinite_grads(None if cfg.nonfinite == "off" else cfg.nonfinite)
+    model.set_nonfinite_grads(nonfinite_policy(cfg))
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr)

@@ -15,13 +15,6 @@ pending object at once) and a wait.
 # one message per peer, (N-1)/N of the buffer on the wire, the bandwidth optimum.
 # The rows a reduce-scatter receives are summed in rank order, so the result does not
 # depend on message timing.
-#
-# Note [streams]: on CUDA the gather and the reduction run on side streams so they
-# overlap compute, ordered with events and without record_stream: every buffer the
-# compute stream uses or frees is allocated on the compute stream, a side stream
-# touches it only after waiting for the compute stream, and the compute stream waits
-# for the side stream before it reads the result or drops its reference. Buffers
-# allocated on a side stream are used only there.
 """
 
 from __future__ import annotations
@@ -33,41 +26,52 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fullshard import runtime
+
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+DEFAULT_TIMEOUT = timedelta(seconds=300)  # Note [named hangs]
 
-class CollectiveError(RuntimeError):
-    """A collective that failed or did not finish within its timeout."""
+
+@dataclass(frozen=True)
+class Caller:
+    """Who issues a unit's collective: its message tag (Note [named hangs]), how long its
+    waits may take, and what to call it when one does not finish."""
+
+    tag: int
+    timeout: timedelta = DEFAULT_TIMEOUT
+    what: str = "a collective"
 
 
-def wait_all(works: list, timeout: timedelta) -> None:
-    """Wait for `works`, giving up after `timeout` (Note [named hangs])."""
-    try:
-        for work in works:
-            work.wait(timeout)
-    except RuntimeError as e:  # the backends raise RuntimeError subclasses for timeouts and lost peers
-        raise CollectiveError(str(e).splitlines()[0]) from e
+def wait_all(works: list, caller: Caller, *, on_device: bool) -> None:
+    """The current stream waits for `works`; only on the CPU does the host wait (Note [host syncs])."""
+    runtime.active.wait_works(works, timeout=caller.timeout, what=caller.what, on_device=on_device)
+
+
+# Note [named hangs]: every point-to-point message carries its unit's tag, so a rank
+# that skipped a unit (or took another branch) is never matched with another unit's
+# message of the same size (which would be silent corruption): its peers wait, time
+# out, and raise an error naming the unit, the collective and the step. On GPUs
+# waits do not block the host; runtime.HangWatch keeps the timeout there, and host
+# waits are bounded by it too.
 
 
 def p2p_tag(unit_index: int, kind: int) -> int:
-    """The message tag of a unit's gather (kind 0) or reduce-scatter (kind 1) on gloo.
-
-    # Note [named hangs]: every point-to-point message carries its unit's tag, so a rank
-    # that skipped a unit (or took another branch) is never matched with another unit's
-    # message of the same size (which would be silent corruption): its peers wait, time
-    # out, and raise an error naming the unit, the collective and the step.
-    """
+    """The message tag of a unit's gather (kind 0) or reduce-scatter (kind 1) on gloo (Note [named hangs])."""
     return 16 + 2 * unit_index + kind
 
 
-def all_gather_ints(values: list[int], *, device: torch.device, timeout: timedelta) -> list[list[int]]:
-    """Every rank's `values` (the same length on every rank), rank by rank."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.int64, device=device)
-    wait_all([_all_gather_single(out, mine, async_op=True)], timeout)
-    return out.view(-1, len(values)).tolist()
+def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, timeout: timedelta) -> list[list[int]]:
+    """Every rank's `values` (the same length on every rank), rank by rank; reading them is a host sync."""
+    rt = runtime.active
+    mine = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.int64, device=device)
+    works = rt.launched([_all_gather_single(out, mine, async_op=True)], reads=[mine], writes=[out])
+    wait_all(works, Caller(0, timeout, "an all-gather of integers"), on_device=device.type == "cuda")
+    return rt.read_on_host(out.view(-1, mine.numel()), timeout=timeout, what="an all-gather of integers")
 
 
 def all_gather_objects(obj: object) -> list[object]:
@@ -77,14 +81,25 @@ def all_gather_objects(obj: object) -> list[object]:
     return out
 
 
-def all_reduce_(tensor: torch.Tensor, op: str) -> None:
-    """Reduce `tensor` in place over every rank: op "sum" or "max"."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+def all_reduce_(tensor: torch.Tensor, op: str, *, timeout: timedelta, what: str) -> None:
+    """Reduce `tensor` in place over every rank: op "sum" or "max". It must be in the
+    memory of the process group's device (a GPU's for NCCL, never pinned host memory).
+    Raises CollectiveError naming `what` when it does not finish within `timeout`."""
+    rt = runtime.active
+    reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    works = rt.launched([dist.all_reduce(tensor, op=reduce_op, async_op=True)], reads=[tensor], writes=[tensor])
+    wait_all(works, Caller(0, timeout, what), on_device=tensor.device.type == "cuda")
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+def broadcast_from_rank0(tensors: list[torch.Tensor], *, device: torch.device | None = None) -> None:
+    """Rank 0's values of `tensors` on every rank, sent from `device`'s memory (tensors
+    elsewhere, e.g. a model built on the CPU for GPUs, go there and back); None: as they are."""
+    rt = runtime.active
     for t in tensors:
-        dist.broadcast(t, src=0)
+        sent = t if device is None else rt.to_device(t, device)
+        dist.broadcast(sent, src=0)
+        if sent is not t:
+            t.copy_(sent)
 
 
 def broadcast_object(obj: object) -> object:
@@ -98,9 +113,32 @@ def barrier() -> None:
     dist.barrier()
 
 
-def uses_p2p(group: dist.ProcessGroup) -> bool:
-    """Note [collective choice]."""
-    return dist.get_backend(group) == "gloo"
+# Note [averaging]: fp16 rows are divided by dp_size before the sum, whose fp16 range
+# would overflow sooner. Otherwise NCCL averages inside the collectives (ReduceOp.AVG,
+# no extra kernel or pass over the row); elsewhere the sum is divided afterwards. Each
+# rank's rows are added in rank order. On gloo the reduce-scatter of a shard group
+# (full_shard, shard_grad_op, hybrid's shard groups) adds the received bf16/fp16 rows
+# in an fp32 scratch row from the BufferPool and divides there, so the row is rounded
+# to the reduce dtype once. Only that path: the all-reduce across replicas (hybrid,
+# no_shard) and NCCL's collectives sum in the reduce dtype inside the backend.
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How a reduction over `summed_over` ranks becomes the average over dp_size (Note [averaging])."""
+
+    divide_first: bool  # divide the rows by dp_size before the sum
+    op: dist.ReduceOp  # of the collectives
+    divide_after: int  # what the result is still to be divided by
+
+
+def averaging(backend: str, dtype: torch.dtype, *, dp_size: int, summed_over: int) -> Averaging:
+    """Note [averaging] for a reduction over `summed_over` of the `dp_size` data-parallel ranks."""
+    if dtype == torch.float16 and dp_size > 1:
+        return Averaging(True, dist.ReduceOp.SUM, 1)
+    if backend == "nccl" and summed_over > 1:  # gloo has no AVG
+        return Averaging(False, dist.ReduceOp.AVG, dp_size // summed_over)
+    return Averaging(False, dist.ReduceOp.SUM, dp_size)
 
 
 class BufferPool:
@@ -112,10 +150,15 @@ class BufferPool:
         self.free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer allocated on the current stream (Note [streams])."""
         free = self.free[(shape, dtype, device)]
-        return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+        buffer = free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+        runtime.active.allocated(buffer)
+        return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
+        """`buffer` is no longer used by any stream."""
+        runtime.active.freed(buffer)
         if buffer.device.type == "cpu":
             self.free[(tuple(buffer.shape), buffer.dtype, buffer.device)].append(buffer)
 
@@ -124,33 +167,12 @@ class BufferPool:
         self.free.clear()
 
 
-_side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream | None:
-    """The process's stream for `purpose` ("gather" or "reduce") on a GPU; None on CPU."""
-    if device.type != "cuda":
-        return None
-    if (device, purpose) not in _side_streams:
-        _side_streams[(device, purpose)] = torch.cuda.Stream(device, priority=-1)
-    return _side_streams[(device, purpose)]
-
-
-def wait_for_compute(stream: torch.cuda.Stream | None) -> None:
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-
-
-def compute_waits_for(stream: torch.cuda.Stream | None) -> None:
-    if stream is not None:
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
-
-
 def exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor], peers: list[int], group: dist.ProcessGroup,
              tag: int) -> list:
     """Point-to-point: sends[i] to group rank peers[i], recvs[i] from it (Note [collective choice])."""
     works = [dist.isend(t, group=group, group_dst=r, tag=tag) for t, r in zip(sends, peers)]
-    return works + [dist.irecv(t, group=group, group_src=r, tag=tag) for t, r in zip(recvs, peers)]
+    works += [dist.irecv(t, group=group, group_src=r, tag=tag) for t, r in zip(recvs, peers)]
+    return runtime.active.launched(works, reads=sends, writes=recvs)
 
 
 def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
@@ -170,13 +192,15 @@ class PendingGather:
     staged: bool  # `local_flat` is a pool buffer (a cast or moved copy of the shard)
     rank: int
     world: int
+    device: torch.device
     stream: torch.cuda.Stream | None
     sent_bytes: int
+    caller: Caller
 
 
 def gather_full(
     shard: torch.Tensor, *, group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device,
-    pool: BufferPool, tag: int,
+    pool: BufferPool, caller: Caller,
 ) -> PendingGather:
     """Start gathering every rank's flat shard over `group` in `dtype` on `device`.
 
@@ -184,47 +208,53 @@ def gather_full(
     precision), so the gather moves `dtype`'s bytes. With no group (one rank holds
     every row) nothing is sent: the staged shard is the result.
     """
+    rt = runtime.active
     world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
-    stream = side_stream(device, "gather")
-    wait_for_compute(stream)  # the optimizer may have just written the shard
-    with torch.cuda.stream(stream):  # a no-op for None (CPU)
-        staged = shard.dtype != dtype or shard.device != device
+    stream = rt.side_stream(device, "gather")
+    rt.wait_stream(stream, rt.current_stream(device))  # the optimizer may have just written the shard
+    with rt.use(stream):
+        staged = shard.dtype != dtype or rt.elsewhere(shard, device)
         local_flat = shard
         if staged:
             local_flat = pool.take((shard.numel(),), dtype, device)  # [unit_shard_numel]
-            local_flat.copy_(shard, non_blocking=True)  # pinned host memory: overlaps compute on GPUs
+            rt.copy_(local_flat, shard)  # from pinned host memory: overlaps compute on GPUs
         sent = (world - 1) * local_flat.numel() * local_flat.element_size()
         if group is None:
             gathered, works = local_flat.new_empty((0, local_flat.numel())), []
-        elif uses_p2p(group):
+        elif rt.point_to_point(group):
             peers = [r for r in range(world) if r != rank]
             gathered = pool.take((world - 1, local_flat.numel()), local_flat.dtype, local_flat.device)
-            works = exchange([local_flat] * len(peers), list(gathered), peers, group, tag)
+            works = exchange([local_flat] * len(peers), list(gathered), peers, group, caller.tag)
         else:
             gathered = pool.take((world, local_flat.numel()), local_flat.dtype, local_flat.device)
-            works = [_all_gather_single(gathered.view(-1), local_flat, group=group, async_op=True)]
-    return PendingGather(works, gathered, local_flat, staged, rank, world, stream, sent)
+            works = rt.launched([_all_gather_single(gathered.view(-1), local_flat, group=group, async_op=True)],
+                                reads=[local_flat], writes=[gathered])
+    return PendingGather(works, gathered, local_flat, staged, rank, world, device, stream, sent, caller)
 
 
-def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int], pool: BufferPool, *,
-                  timeout: timedelta) -> None:
+def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int],
+                  pool: BufferPool) -> None:
     """Wait for the gather and move each rank's rows into the parameters' padded full tensors.
 
     `fulls` were allocated on the compute stream before the gather was issued.
     """
+    rt = runtime.active
     world = pending.world
-    with torch.cuda.stream(pending.stream):
-        wait_all(pending.works, timeout)
+    with rt.use(pending.stream):
+        wait_all(pending.works, pending.caller, on_device=pending.stream is not None)
         outs = [full.view(world, -1) for full in fulls]  # each [world, shard_numel]
         with torch.no_grad():
             if pending.gathered.size(0) == world:
                 torch.split_with_sizes_copy(pending.gathered, shard_numels, dim=1, out=outs)
+                rt.reads(pending.gathered)
             else:
                 rows = list(pending.gathered)
                 rows.insert(pending.rank, pending.local_flat)
                 for r, row in enumerate(rows):
                     torch.split_with_sizes_copy(row, shard_numels, out=[out[r] for out in outs])
-    compute_waits_for(pending.stream)
+                rt.reads(pending.gathered, pending.local_flat)
+        rt.writes(*fulls)
+    rt.wait_stream(rt.current_stream(pending.device), pending.stream)
     pool.give(pending.gathered)
     if pending.staged:
         pool.give(pending.local_flat)
@@ -261,19 +291,25 @@ def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], ranks: 
                     dst[i + whole, :rest].copy_(flat[(first + whole) * numel :])
                     dst[i + whole, rest:].zero_()
                     dst[i + whole + 1 : j].zero_()
+    runtime.active.reads(*[g for g in grads if g is not None])
+    runtime.active.writes(out)
 
 
 @dataclass
 class PendingReduce:
-    """A reduce-scatter in flight; `finish_reduce` turns it into this rank's averaged row."""
+    """A reduction in flight; `finish_reduce` turns it into this rank's averaged row."""
 
-    works: list
+    works: list  # the reduce-scatter (or the point-to-point messages) inside the shard group
     sent: torch.Tensor | None  # [world - 1 or world, row_numel], kept alive until the sends are done
     received: torch.Tensor | None  # [world - 1, row_numel] rows from the peers, in rank order (gloo)
     shard: torch.Tensor  # [row_numel]
-    stream: torch.cuda.Stream | None
+    stream: torch.cuda.Stream | None  # the reduce stream
     replicate_group: dist.ProcessGroup | None
-    divide_after: int  # what the sum is still to be divided by
+    op: dist.ReduceOp  # of both collectives, Note [averaging]
+    divide_after: int  # what the result is still to be divided by
+    caller: Caller
+    all_reduce_works: list | None = None  # across replicas, once issued
+    all_reduce_stream: torch.cuda.Stream | None = None
     traffic: list[tuple[str, int]] = field(default_factory=list)  # (collective, bytes this rank sent)
 
 
@@ -285,23 +321,24 @@ def reduce_scatter_grads(
     dp_size: int,
     shard: torch.Tensor,
     pool: BufferPool,
-    tag: int,
+    caller: Caller,
 ) -> PendingReduce:
     """Start summing the full gradients' rows over the shard group into `shard`, this
-    rank's row ([grad_shard_numel + n_flags], of the reduce dtype, on the compute stream).
+    rank's row ([grad_shard_numel + n_flags], of the reduce dtype, allocated on the
+    compute stream), then all-reducing it across replicas (hybrid sharding, no_shard).
 
-    `groups` is (shard group, replicate group). Across replicas (hybrid sharding) the row
-    is then all-reduced, and all is divided by the data-parallel size (eq. 1 of the
-    paper): afterwards, or for fp16, whose sums would overflow sooner, before. On gloo a
-    rank's own row is packed straight into the result, which then adds the peers' rows
-    (Note [collective choice]).
+    `groups` is (shard group, replicate group); the result is divided by `dp_size`, the
+    data-parallel size (eq. 1 of the paper). On gloo a rank's own row is packed straight
+    into the result, which then adds the peers' rows (Note [collective choice]); the
+    result is averaged as Note [averaging] says.
     """
+    rt = runtime.active
     shard_group, replicate_group = groups
     dtype, device, row_numel = shard.dtype, shard.device, shard.numel()
     world, rank = (shard_group.size(), shard_group.rank()) if shard_group is not None else (1, 0)
-    stream = side_stream(device, "reduce")
-    works, sent, received, traffic = [], None, None, []
-    p2p = shard_group is not None and uses_p2p(shard_group)
+    compute, stream = rt.current_stream(device), rt.side_stream(device, "reduce")
+    sent, received, works = None, None, []
+    p2p = shard_group is not None and rt.point_to_point(shard_group)
     peers = [r for r in range(world) if r != rank]
     own = shard_group is None or p2p
     if own:
@@ -309,50 +346,95 @@ def reduce_scatter_grads(
     if shard_group is not None:
         sent = pool.take((len(peers) if p2p else world, row_numel), dtype, device)  # [world (- 1), row_numel]
         pack_rows(grads, shard_numels, peers if p2p else list(range(world)), sent)
-    divide_after = dp_size
-    if dtype == torch.float16 and dp_size > 1:
+    group = shard_group or replicate_group
+    backend = "gloo" if group is None or p2p else dist.get_backend(group)
+    summed_over = world * (replicate_group.size() if replicate_group is not None else 1)
+    how = averaging(backend, dtype, dp_size=dp_size, summed_over=summed_over)
+    op, divide_after = how.op, how.divide_after
+    if how.divide_first:
         for rows in (sent, shard if own else None):
             if rows is not None:
                 rows.div_(dp_size)
-        divide_after = 1
-    if p2p:
-        received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
-        works = exchange(list(sent), list(received), peers, shard_group, tag)
-    elif shard_group is not None:
-        wait_for_compute(stream)  # the gradients were packed on the compute stream
-        with torch.cuda.stream(stream):
-            works = [_reduce_scatter_single(shard, sent.view(-1), op=dist.ReduceOp.SUM, group=shard_group,
-                                            async_op=True)]
+                rt.writes(rows)
+    rt.wait_stream(stream, compute)  # Note [streams]: the rows were packed on the compute stream
+    with rt.use(stream):
+        if p2p:
+            received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
+            works = exchange(list(sent), list(received), peers, shard_group, caller.tag)
+        elif shard_group is not None:
+            works = rt.launched([_reduce_scatter_single(shard, sent.view(-1), op=op, group=shard_group,
+                                                        async_op=True)], reads=[sent], writes=[shard])
+    pending = PendingReduce(works, sent, received, shard, stream, replicate_group, op, divide_after, caller)
     if shard_group is not None:
-        traffic.append(("reduce_scatter", (world - 1) * row_numel * shard.element_size()))
-    return PendingReduce(works, sent, received, shard, stream, replicate_group, divide_after, traffic)
+        pending.traffic.append(("reduce_scatter", (world - 1) * row_numel * shard.element_size()))
+    if replicate_group is not None and not p2p:  # at once, on its own stream, behind the reduce-scatter
+        with rt.use(stream):
+            wait_all(works, caller, on_device=stream is not None)
+        pending.works = []
+        start_all_reduce(pending)
+    return pending
 
 
-def finish_reduce(pending: PendingReduce, pool: BufferPool, *, timeout: timedelta) -> torch.Tensor:
-    """Wait for the reduction; return this rank's row averaged over the data-parallel ranks."""
-    shard = pending.shard
-    with torch.cuda.stream(pending.stream):
-        wait_all(pending.works, timeout)
-        if pending.received is not None:  # own row first, then the peers' in rank order
+def start_all_reduce(pending: PendingReduce) -> None:
+    """Issue the all-reduce of the row across replicas on the all-reduce stream, after the reduce stream."""
+    rt = runtime.active
+    shard, group = pending.shard, pending.replicate_group
+    pending.all_reduce_stream = rt.side_stream(shard.device, "all_reduce")
+    rt.wait_stream(pending.all_reduce_stream, pending.stream)
+    with rt.use(pending.all_reduce_stream):
+        pending.all_reduce_works = rt.launched(
+            [dist.all_reduce(shard, op=pending.op, group=group, async_op=True)], reads=[shard], writes=[shard])
+    pending.traffic.append(("all_reduce", all_reduce_bytes(shard.numel(), shard.element_size(), group.size())))
+
+
+def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
+    """Wait for the reduction; return this rank's row averaged over the data-parallel ranks,
+    ready for the compute stream."""
+    rt = runtime.active
+    shard, stream = pending.shard, pending.stream
+    with rt.use(stream):
+        wait_all(pending.works, pending.caller, on_device=stream is not None)
+        if pending.received is not None:  # own row first, then the peers' in rank order, Note [averaging]
+            total = shard
+            if shard.dtype in LOW_PRECISION:  # round once, Note [averaging]
+                total = pool.take((shard.numel(),), torch.float32, shard.device)  # [row_numel]
+                total.copy_(shard)
             for row in pending.received:
-                shard.add_(row)
-        if pending.replicate_group is not None:
-            replicas = pending.replicate_group.size()
-            wait_all([dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=pending.replicate_group, async_op=True)],
-                     timeout)
-            pending.traffic.append(("all_reduce", all_reduce_bytes(shard.numel(), shard.element_size(), replicas)))
+                total.add_(row)
+            if total is not shard:
+                shard.copy_(total.div_(pending.divide_after))
+                pending.divide_after = 1
+                rt.reads(total)
+                pool.give(total)
+            rt.reads(pending.received)
+            rt.writes(shard)
+    if pending.replicate_group is not None and pending.all_reduce_works is None:  # gloo: now the row is summed
+        start_all_reduce(pending)
+    last = pending.all_reduce_stream or stream
+    with rt.use(last):
+        wait_all(pending.all_reduce_works or [], pending.caller, on_device=last is not None)
         if pending.divide_after > 1:
             shard.div_(pending.divide_after)
-    compute_waits_for(pending.stream)
+            rt.writes(shard)
+    rt.wait_stream(rt.current_stream(shard.device), last)
     for buffer in (pending.sent, pending.received):
         if buffer is not None:
             pool.give(buffer)
     return shard
 
 
-def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup, timeout: timedelta) -> int:
+def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup, caller: Caller) -> int:
     """Sum `tensors` in place over `group`, packed into one all-reduce; returns the bytes this rank sent."""
+    rt = runtime.active
     flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
-    wait_all([dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)], timeout)
+    rt.reads(*tensors)
+    rt.allocated(flat)
+    rt.writes(flat)
+    works = rt.launched([dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)],
+                        reads=[flat], writes=[flat])
+    wait_all(works, caller, on_device=flat.device.type == "cuda")
     torch.split_with_sizes_copy(flat, [t.numel() for t in tensors], out=[t.view(-1) for t in tensors])
+    rt.reads(flat)
+    rt.writes(*tensors)
+    rt.freed(flat)
     return all_reduce_bytes(flat.numel(), flat.element_size(), group.size())

@@ -45,8 +45,10 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from fullshard.collectives import BufferPool, CollectiveError, all_gather_ints
+from fullshard import runtime
+from fullshard.collectives import BufferPool, all_gather_ints
 from fullshard.errors import fail
+from fullshard.runtime import CollectiveError
 from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
 
@@ -213,30 +215,52 @@ class RootContext:
             Variable._execution_engine.queue_callback(self.final_callback)
 
     def final_callback(self) -> None:
-        """End of backward: reduce what no PostBackward reduced, and reshard every unit."""
+        """End of backward: reduce what no PostBackward reduced, reshard every unit, and land
+        the gradients that waited for the host (Note [landing])."""
         with torch.profiler.record_function("fullshard::final_callback"):
             for hooks in reversed(self.units):
                 hooks.finish_backward()
+            reduced = any(hooks.unit.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
+            if any(hooks.unit.unlanded for hooks in self.units):  # the one host sync, Note [host syncs]
+                self.host_waits("the gradients copied to host memory")
+            for hooks in self.units:
+                hooks.unit.land_queued()
+            if [hooks.unit.settle_all_reduce() for hooks in self.units].count(True):
+                self.host_waits("the gradients all-reduced across replicas")  # once for every unit
         self.drop_unused_prefetches()
         self.reducing = None
         self.callback_queued = False
         self.stats.steps += 1
         self.step += 1
         self.pool.release()  # forward's activations may reuse that memory
-        self.settle_nonfinite()
+        if reduced:  # a backward under no_sync has nothing new to check
+            self.settle_nonfinite()
+
+    def host_waits(self, what: str) -> None:
+        """The host waits for the compute stream (Note [host syncs]), bounded by the root's timeout."""
+        unit = self.units[0].unit
+        try:
+            runtime.active.host_waits(unit.compute_device, timeout=unit.timeout,
+                                      what=f"{what} at the end of backward of step {self.step}")
+        except CollectiveError as e:
+            raise unit.failed("end of backward", e) from None
 
     def settle_nonfinite(self) -> None:
         """With a non-finite policy on some unit, every rank learns whether any rank's reduced
         gradient had an inf or NaN, and all raise (naming the first such unit) or, if that
-        unit's policy is "skip", all skip the step (no gradients)."""
-        if all(hooks.unit.nonfinite is None for hooks in self.units):
+        unit's policy is "skip", all skip the step (no gradients). One read of the device
+        flags per backward that reduced (Note [host syncs])."""
+        checked = [hooks.unit for hooks in self.units if hooks.unit.nonfinite is not None]
+        if not checked:
             return
-        bad = next((h.unit.index for h in self.units if h.unit.saw_nonfinite), -1)
-        for hooks in self.units:
-            hooks.unit.saw_nonfinite = False
         unit = self.units[0].unit
+        bad = torch.full((1,), -1, dtype=torch.int64, device=unit.compute_device)  # first unit not finite, or -1
+        for other in reversed(checked):
+            if other.finite is not None:
+                bad = torch.where(other.finite, bad, other.index)
+            other.finite = None
         try:
-            everyone = [b for (b,) in all_gather_ints([bad], device=unit.compute_device, timeout=unit.timeout) if b >= 0]
+            everyone = [b for (b,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout) if b >= 0]
         except CollectiveError as e:
             raise unit.failed("non-finite check", e) from None
         if not everyone:
@@ -368,6 +392,9 @@ class UnitHooks:
 
     def reset(self) -> None:
         self.unit.finish_reduce()
+        self.unit.unlanded.clear()
+        self.unit.finite = None
+        self.unit.reduced = False
         self.unit.reshard()
         for p in self.unit.params:
             p.unsharded.grad = None

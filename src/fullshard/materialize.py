@@ -47,12 +47,13 @@ def check_initializable(model: nn.Module, init_fn: Callable[[nn.Module], None] |
         )
 
 
-def sync_eager(model: nn.Module) -> None:
-    """sync_module_states for a model built on a real device: rank 0's values everywhere."""
+def sync_eager(model: nn.Module, device: torch.device) -> None:
+    """sync_module_states for a model built on a real device: rank 0's values everywhere,
+    sent from `device`'s memory (a model built on the CPU for GPUs goes there and back)."""
     with torch.no_grad():
         for module in model.modules():
             broadcast_from_rank0([t for t in [*module._parameters.values(), *module._buffers.values()]
-                                  if t is not None])
+                                  if t is not None], device=device)
 
 
 def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None, sync: bool) -> None:

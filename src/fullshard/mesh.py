@@ -82,9 +82,29 @@ def default_device_type() -> str:
 
 
 def compute_device(device_type: str) -> torch.device:
-    if device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device_type)
+    """This rank's device: the current GPU (checked against LOCAL_RANK), or the CPU."""
+    if device_type != "cuda":
+        return torch.device(device_type)
+    current = torch.cuda.current_device()
+    check_local_gpu(current, os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+    return torch.device("cuda", current)
+
+
+def check_local_gpu(current: int, local_rank: str | None, visible: int) -> None:
+    """Refuse a rank whose current GPU is not its LOCAL_RANK's: GPU LOCAL_RANK modulo the
+    GPUs it sees (one per rank, or several ranks sharing the visible set, each on its own
+    one); every rank left on cuda:0 shares one GPU and runs silently slow (or out of memory)."""
+    if local_rank is None or visible < 1 or not local_rank.isdigit():
+        return
+    expected = int(local_rank) % visible
+    if current == expected:
+        return
+    raise fail(
+        f"rank {dist.get_rank() if dist.is_initialized() else '?'} has LOCAL_RANK={local_rank} but computes on "
+        f"cuda:{current} (of {visible} GPUs it sees), not cuda:{expected}: ranks of a node would share a GPU",
+        "Call torch.cuda.set_device(int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()) before "
+        "init_process_group and sharding, or give each rank one GPU with CUDA_VISIBLE_DEVICES.",
+    )
 
 
 def require_process_group() -> None:

@@ -18,17 +18,25 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import itertools
 import math
+import os
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail, require
+from fullshard.gpt import GPT, GPTConfig
 from fullshard.param import shard_numel
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.wrap import choose_units, shard_model
@@ -46,7 +54,9 @@ class Hardware:
     overlap: bool  # communication hides behind compute (GPUs) or competes for the same cores (CPU ranks)
     ranks_per_node: int
     memory: float  # bytes per rank
-    runtime: dict[str, int]  # bytes a rank's runtime holds besides tensors (kernel caches, autograd, comm), by precision
+    # bytes a rank's runtime holds besides tensors, by precision: on paper; measured instead
+    # where `device` is this machine's (Note [runtime probe])
+    runtime: dict[str, int]
     device: str = "cuda"  # activations are measured as this device's kernels would save them
     host_bw: float = 0.0  # bytes/s between host and device memory per rank (CPU offload; 0: no offload candidates)
     host_optimizer: float = 0.0  # parameters/s the host's optimizer step updates per rank (CPU offload)
@@ -54,9 +64,10 @@ class Hardware:
 
 
 HARDWARE = {
-    # this repository's CPU machine, fitted to measured steps (docs/planner.md): one core per rank, loopback TCP
+    # this repository's CPU machine, fitted to measured steps (docs/planner.md): one core per rank, loopback TCP;
+    # runtime and FLOP/s are always measured (Note [runtime probe]), these are that machine's
     "cpu": Hardware("cpu", {"fp32": 60e9, "bf16": 125e9}, intra_bw=0.8e9, cross_bw=0.8e9, latency=4e-4,
-                    overlap=False, ranks_per_node=2, memory=12 * 2**30, runtime={"fp32": 50 << 20, "bf16": 62 << 20},
+                    overlap=False, ranks_per_node=2, memory=12 * 2**30, runtime={"fp32": 48 << 20, "bf16": 59 << 20},
                     device="cpu"),
     # On paper (docs/planner.md): datasheet peaks x 0.6 (fp32 without TF32, PyTorch's default); NVLink
     # inside a node, one 200 (A100) or 400 (H100) Gb/s InfiniBand port per GPU; 3 us per ring step,
@@ -242,8 +253,8 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     shard = [sum(shard_numel(s, F) for s in u.shards) for u in units]  # elements per rank
     rows = [n + u.trainable for n, u in zip(shard, units)]  # + has-gradient flags
     full = [F * n * compute for n in shard]  # a unit's full storage
-    blocks = full[1:] or full
-    big = max(blocks)
+    blocks = full[1:]  # the units below the root (none when the root is the only unit)
+    big = max(blocks, default=0)
     S = sum(shard) * master
     separate_full = F > 1 or compute != master  # else the full parameters are the shards themselves
     keep_all = not STRATEGIES[c.strategy]["reshard_after_forward"]
@@ -293,6 +304,127 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     return c
 
 
+# ---- measuring this machine, Note [runtime probe] ------------------------------------------
+
+PROBE_CONFIG = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64)
+PROBE_BATCH = 2
+# A CPU training step sustains this share of one large matmul's rate (fitted on the machine
+# of docs/planner.md: 60 and 125 GFLOP/s per rank against 103 and 221 for the probe's
+# matmul, fp32 and bf16), so the probe's matmul times give the step's FLOP/s on any CPU
+CPU_STEP_EFFICIENCY = 0.57
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one precision costs on this machine besides the planner's tensors."""
+
+    runtime: int  # bytes
+    flops: float  # one large matmul's FLOP/s, one thread
+
+
+def probe(device: str, precision: str) -> str:
+    """In a fresh process: the peak memory of 3 AdamW steps of the probe GPT sharded per block
+    in `precision`, above the memory held before the model is built, then the rate of one
+    large matmul; as "bytes flops"."""
+    from fullshard.stats import process_memory
+    from fullshard.wrap import shard_model as shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # nothing listens
+    x = torch.randint(0, PROBE_CONFIG.vocab_size, (PROBE_BATCH, PROBE_CONFIG.block_size + 1), device=device)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:  # restart the peak (VmHWM) from now
+            f.write("5")
+        before = process_memory("VmRSS")
+    with torch.device("meta"):
+        model = GPT(PROBE_CONFIG)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16" else None
+    shard(model, wrap={type(model.h[0])}, mp_policy=mp, forward_prefetch=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(3):
+        model(x[:, :-1], x[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if cuda:  # the allocator's peak, and what the CUDA context and libraries hold outside it
+        free, total = torch.cuda.mem_get_info()
+        peak = torch.cuda.max_memory_allocated() - before + total - free - torch.cuda.memory_reserved()
+    else:
+        peak = process_memory("VmHWM") - before
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a, b = torch.randn(512, 384, dtype=dtype, device=device), torch.randn(384, 1536, dtype=dtype, device=device)
+    seconds: list[float] = []
+    while len(seconds) < 3 or len(seconds) < 10 and sum(seconds) < 0.3:  # the fastest of a few: the rate the
+        start = time.perf_counter()                                      # kernel sustains, not a preemption
+        a @ b
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return f"{peak} {2 * a.size(0) * a.size(1) * b.size(1) / min(seconds[1:])}"
+
+
+_probed: dict[tuple[str, str], Probe] = {}  # (device, precision) -> its probe, for this process
+
+
+def measured(device: str, precisions: tuple[str, ...]) -> list[Probe]:
+    """This machine's probe of each precision (Note [runtime probe]), run once per process."""
+    missing = tuple(prec for prec in precisions if (device, prec) not in _probed)
+    if missing:
+        _probed.update({(device, prec): got for prec, got in zip(missing, _run_probes(device, missing))})
+    return [_probed[(device, prec)] for prec in precisions]
+
+
+def _run_probes(device: str, precisions: tuple[str, ...]) -> list[Probe]:
+    """Probe each precision in its own fresh process (at once); subtract the probe GPT's tensors."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",  # freed memory goes back: RSS follows live memory
+           "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.Popen([sys.executable, "-c", f"from fullshard.planner import probe; print(probe({device!r}, "
+                              f"{prec!r}))"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for prec in precisions]
+    with torch.device("meta"):
+        model = GPT(PROBE_CONFIG)
+    units = units_of_plan(model, "blocks", type(model.h[0]))
+    probes = []
+    for prec, run in zip(precisions, runs):
+        stdout, stderr = run.communicate(timeout=600)
+        if run.returncode != 0:
+            raise fail(f"the planner's probe of this machine ({device}, {prec}) failed: "
+                       f"{(stderr.strip().splitlines() or ['no output'])[-1]}",
+                       "Plan for hardware that is not this machine (hardware='a100', 'h100' or a Hardware of "
+                       "another device), or report this as a bug.")
+        peak, flops = stdout.split()[-2:]
+        tensors = Candidate("blocks", "full_shard", 2, prec, False)
+        acts = activation_bytes(model, PROBE_BATCH, PROBE_CONFIG.block_size,
+                                torch.bfloat16 if prec == "bf16" else torch.float32, None, False, device)
+        cost(tensors, units, world=1, acts=acts, optimizer_states=2, tokens=0,
+             hardware=dataclasses.replace(HARDWARE["cpu"], runtime={prec: 0}))
+        probes.append(Probe(max(0, int(peak) - tensors.peak), float(flops)))
+    return probes
+
+
+def calibrated(hw: Hardware, precisions: tuple[str, ...]) -> Hardware:
+    """`hw` with what the probe measures here, when its device is this machine's: the runtime
+    bytes and, on a CPU, the FLOP/s. Every rank of a process group takes rank 0's figures, so
+    that all plan alike."""
+    if not (hw.device == "cpu" or (hw.device == "cuda" and torch.cuda.is_available())):
+        return hw  # planning for hardware that is not here: the figures on paper
+    ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    probes = measured(hw.device, precisions) if not ranks or dist.get_rank() == 0 else [Probe(0, 0.0)] * len(precisions)
+    figures = [(float(p.runtime), p.flops) for p in probes]
+    if ranks:
+        nccl = dist.get_backend() == "nccl"
+        agreed = torch.tensor(figures, dtype=torch.float64,  # [precision, (bytes, flops)]; bytes < 2**53: exact
+                              device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        broadcast_from_rank0([agreed])
+        figures = agreed.tolist()
+    runtime = {prec: int(nbytes) for prec, (nbytes, _) in zip(precisions, figures)}
+    flops = {prec: rate * CPU_STEP_EFFICIENCY for prec, (_, rate) in zip(precisions, figures)} \
+        if hw.device == "cpu" else {}
+    return dataclasses.replace(hw, runtime={**hw.runtime, **runtime}, flops={**hw.flops, **flops})
+
 def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch: int, seq: int,
          optimizer: str = "adamw", hardware: str | Hardware = "cpu", precisions: tuple[str, ...] = ("fp32", "bf16"),
          strategies: tuple[str, ...] | None = None) -> Plan:
@@ -334,6 +466,7 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
     require(isinstance(hw, Hardware), f"hardware={hardware!r} is unknown", f"Pass one of {sorted(HARDWARE)}.")
     require(all(prec in ("fp32", "bf16") for prec in precisions), f"precisions={precisions!r}: the planner "
             "considers fp32 and bf16", "Pass a subset of ('fp32', 'bf16').")
+    hw = calibrated(hw, tuple(precisions))
     require(strategies is None or all(s in STRATEGIES for s in strategies), f"strategies={strategies!r} names "
             "an unknown strategy", f"Pass a subset of {tuple(STRATEGIES)}.")
     block = repeated_block(model)
@@ -346,10 +479,11 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
     for prec in precisions:
         dtype = torch.bfloat16 if prec == "bf16" else torch.float32
         acts[(prec, False)] = activation_bytes(model, batch, seq, dtype, block, False, hw.device)
-        if block is not None:  # backward recomputes one block at a time: its activations come on top
+        if block is not None:  # backward recomputes one block at a time: its activations, and the
+            # gradients flowing back through them (as large), come on top of the blocks' inputs
             kept = activation_bytes(model, batch, seq, dtype, block, True, hw.device)
             blocks = sum(type(m) is block for m in model.modules())
-            acts[(prec, True)] = kept + (acts[(prec, False)] - kept) // blocks
+            acts[(prec, True)] = kept + 2 * (acts[(prec, False)] - kept) // blocks
     states = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
     offloads = (False, True) if hw.host_bw else (False,)  # a CPU rank's memory is host memory already
     candidates = []

@@ -32,9 +32,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.tensor import DTensor
 
+from fullshard import runtime
 from fullshard.collectives import barrier, broadcast_object
 from fullshard.errors import fail, require
 from fullshard.hooks import units_under
+from fullshard.mesh import compute_device
 from fullshard.param import ShardedParam
 from fullshard.training import units_of
 
@@ -116,6 +118,17 @@ def full_model_state(model: nn.Module, *, cpu_offload: bool, keep: bool) -> dict
     return out
 
 
+def full_value(value: DTensor, device: torch.device) -> torch.Tensor:
+    """`value` gathered whole, sent from `device`'s memory: NCCL cannot send the host memory
+    that CPU offload keeps optimizer state in."""
+    local = value.to_local()
+    moved = runtime.active.to_device(local, device)
+    if moved is not local:
+        value = DTensor.from_local(moved, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                   stride=value.stride())
+    return value.full_tensor()
+
+
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool, cpu_offload: bool,
                     keep: bool) -> dict[str, Any]:
     """{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}]}; full gathers every
@@ -123,13 +136,14 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *
     if optimizer is None:
         return {}
     names = param_names(model)
+    device = units_of(model, "get_state_dict")[0].compute_device
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             values = {}
             for key, value in optimizer.state.get(param, {}).items():
                 if full and isinstance(value, DTensor):
-                    value = value.full_tensor()
+                    value = full_value(value, device)
                 if isinstance(value, torch.Tensor) and full and keep:
                     value = value.cpu() if cpu_offload else value.clone()
                 values[key] = value
@@ -245,7 +259,7 @@ def shard_like(param: nn.Parameter, sharded: ShardedParam | None, value: Any) ->
     if isinstance(value, DTensor):
         if value.device_mesh == sharded.mesh and tuple(value.placements) == tuple(sharded.placements):
             return value.detach().clone()
-        value = value.full_tensor()
+        value = full_value(value, compute_device(sharded.mesh.device_type))
     rows = value if sharded.replicated else value[sharded.first_row : sharded.first_row + sharded.local_shape[0]]
     return sharded.as_dtensor(rows.detach().to(sharded.local_shard().device).clone())
 

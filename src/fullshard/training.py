@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Iterator
 
 import torch
@@ -12,11 +13,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from fullshard import runtime
 from fullshard.collectives import all_reduce_
 from fullshard.errors import fail, require
 from fullshard.hooks import Phase, unit_hooks, units_under
 from fullshard.stats import Stats
-from fullshard.unit import ShardState, Unit
+from fullshard.runtime import CollectiveError
+from fullshard.unit import ShardState, Unit, unit_of
 
 
 def units_of(model: nn.Module, what: str) -> list[Unit]:
@@ -68,28 +71,47 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     Returns:
         The global norm before clipping, as a plain 0-d tensor.
     """
-    units_of(model, "clip_grad_norm_")
+    root = units_of(model, "clip_grad_norm_")[0]
+    device = root.compute_device  # where the process group communicates
     if not (isinstance(max_norm, (int, float, torch.Tensor)) and float(max_norm) >= 0):  # messages only on failure
         raise fail(f"clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a non-negative number", "Pass e.g. 1.0.")
     if not (isinstance(norm_type, (int, float)) and float(norm_type) > 0):
         raise fail(f"clip_grad_norm_(norm_type={norm_type!r}): norm_type must be a positive number or float('inf')",
                    "Pass 2.0 (the default) or float('inf').")
     norm_type = float(norm_type)
+    rt = runtime.active
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # tied parameters once
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     counted = [t for g, t in zip(grads, locals_) if counts_once(g) and t.numel()]
-    device = locals_[0].device if locals_ else torch.device("cpu")
-    total = torch.nn.utils.get_total_norm(counted, norm_type).to(device, torch.float32) if counted \
-        else torch.zeros((), device=device)
-    if math.isinf(norm_type):
-        all_reduce_(total, "max")
-    else:  # the p-th powers of the ranks' local norms add up to the global one's
-        total = total ** norm_type
-        all_reduce_(total, "sum")
+    # CPU offload: gradients in host memory are summed on the host, the total goes to the
+    # device, whose memory is all NCCL reads, and the coefficient comes back (a host sync)
+    partials = []
+    for host in (False, True):  # device memory, then host memory
+        part = [t for t in counted if rt.elsewhere(t, device) == host]
+        if part:
+            partials.append(rt.to_device(torch.nn.utils.get_total_norm(part, norm_type).to(torch.float32), device))
+    inf = math.isinf(norm_type)
+    if not partials:
+        total = torch.zeros((), device=device)
+    elif inf:
+        total = torch.stack(partials).max() if len(partials) > 1 else partials[0]
+    else:  # the p-th powers of the ranks' (and memories') norms add up to the global one's
+        total = sum(partial ** norm_type for partial in partials)
+    agree(root, total, "max" if inf else "sum", "the gradient norm")
+    if not inf:
         total = total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if locals_:
-        torch._foreach_mul_(locals_, clip_coef)
+    in_host = [t for t in locals_ if rt.elsewhere(t, device)]
+    in_device = [t for t in locals_ if not rt.elsewhere(t, device)]
+    if in_device:
+        torch._foreach_mul_(in_device, clip_coef)
+    if in_host:
+        host_coef = rt.to_host(clip_coef, pin=True)
+        try:
+            rt.host_waits(device, timeout=root.timeout, what=f"the clip coefficient at step {root.step}")
+        except CollectiveError as e:
+            raise root.failed("clip_grad_norm_", e) from None
+        torch._foreach_mul_(in_host, host_coef)
     return total
 
 
@@ -191,5 +213,21 @@ class GradScaler(torch.amp.GradScaler):
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(device))
                 if found is not found_inf:
                     found_inf.add_(found.to(found_inf.device))
-            all_reduce_(found_inf, "max")
+            unit = unit_of(optimizer.param_groups[0]["params"][0]) if optimizer.param_groups[0]["params"] else None
+            if unit is None:  # nothing sharded: torch's defaults
+                all_reduce_(found_inf, "max", timeout=timedelta(seconds=300), what="the all-reduce of found_inf")
+            else:
+                agree(unit, found_inf, "max", "the loss scaler's inf/NaN flag")
         return {found_inf.device: found_inf}
+
+
+def agree(unit: Unit, tensor: torch.Tensor, op: str, what: str) -> None:
+    """All-reduce `tensor` in place within `unit`'s timeout (set_timeout); a hang or failure
+    raises a FullShardError naming `what` and the step (Note [named hangs])."""
+    collective = f"the all-reduce of {what} at step {unit.step}"
+    try:
+        all_reduce_(tensor, op, timeout=unit.timeout, what=collective)
+    except CollectiveError as e:
+        raise fail(f"rank {dist.get_rank()}: {collective} did not finish ({e})",
+                   "Every rank must call it at the same step; another rank skipped it or died. Restart the job "
+                   "(fullshard train --max-restarts N resumes from the last checkpoint).") from None

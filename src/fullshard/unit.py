@@ -23,6 +23,7 @@ plain full parameters, views of one storage per unit that exists only while need
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum, auto
@@ -31,12 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.collectives import (BufferPool, CollectiveError, PendingGather, PendingReduce, all_gather_ints,
+from fullshard import runtime
+from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingReduce, all_gather_ints,
                                    all_reduce_tensors, finish_gather, finish_reduce, gather_full, p2p_tag,
                                    reduce_scatter_grads)
 from fullshard.errors import FullShardError, fail
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.param import ShardedParam, shard_numel
+from fullshard.runtime import CollectiveError, OverdueCollective
 from fullshard.stats import Stats
 
 
@@ -68,6 +71,14 @@ class OwnedParam:
     slots: list[tuple[nn.Module, str]]
 
 
+LIVE_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()  # (no weakrefs to parameters: materialize swaps them)
+
+
+def unit_of(param: nn.Parameter) -> Unit | None:
+    """The live unit that manages `param` (a sharded parameter), if any."""
+    return next((unit for unit in list(LIVE_UNITS) if any(p.sharded is param for p in unit.params)), None)
+
+
 class Unit:
     """The shards of one unit, their all-gather into full parameters, and their gradient reduction."""
 
@@ -82,7 +93,8 @@ class Unit:
         self.timeout = timedelta(seconds=300)  # Note [named hangs]
         self.debug = False  # check before each collective that every rank runs the same one
         self.nonfinite: str | None = None  # None, "raise" or "skip": what a non-finite reduced gradient does
-        self.saw_nonfinite = False  # (hooks settle it once per step)
+        self.finite: torch.Tensor | None = None  # 0-d bool on the device: every reduced gradient so far was finite
+        self.unlanded: list[tuple[list[ShardedParam], torch.Tensor, torch.Tensor]] = []  # Note [landing]
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
         self.shard_numels = [shard_numel(o.param.shape, group.world) for o in owned]
@@ -96,6 +108,7 @@ class Unit:
         for p in self.params:
             p.to_sharded()
         self.state = ShardState.SHARDED
+        LIVE_UNITS.add(self)
         self.pending: PendingGather | None = None
         self.pending_reduce: tuple[list[ShardedParam], bool, PendingReduce] | None = None
         self.small_group = smaller_group(group, config.post_forward_world) if self.full_flat is not None else None
@@ -104,6 +117,7 @@ class Unit:
         self.sync_grads = True
         self.all_reduce_grads = True  # across replicas; off: reduce within the group only, owe the rest
         self.owes_all_reduce = False
+        self.reduced = False  # a reduction finished in this backward (hooks settle the all-reduce once)
         self.reshard_after_backward = True
         self.counted_grad_bytes = 0  # full gradient bytes already in stats.full_grad_bytes
 
@@ -119,9 +133,10 @@ class Unit:
         self.local_flat = torch.zeros(sum(self.shard_numels), dtype=self.master_dtype, device=shard_device,
                                       pin_memory=pin)  # [unit_shard_numel]
         # Note [stable full params]: one storage for every full parameter of the unit;
-        # none when they can be the shards themselves (one rank, same dtype and device)
+        # none when they can be the shards themselves (one rank, same dtype, same memory:
+        # a CPU-offloaded shard is host memory, which a GPU does not compute with)
         same = (group.shard_pg is None and self.compute_dtype == self.master_dtype
-                and shard_device == self.compute_device)
+                and not runtime.active.separate_memory(shard_device, self.compute_device, offloaded=config.offload))
         self.full_flat = None if same else torch.empty(group.world * self.local_flat.numel(), dtype=self.compute_dtype,
                                                        device=self.compute_device)  # per-parameter blocks
         self.full_bytes = 0 if same else self.full_flat.untyped_storage().nbytes()
@@ -134,6 +149,7 @@ class Unit:
 
     def release_storage(self) -> None:
         if self.full_flat is not None:
+            runtime.active.freed(self.full_flat)
             self.full_flat.untyped_storage().resize_(0)
 
     def materialize(self, device: torch.device) -> None:
@@ -157,9 +173,10 @@ class Unit:
         source, group = (self.small, self.small_group) if self.gathering_small else (self.local_flat, self.group.shard_pg)
         with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
+            runtime.active.allocated(self.full_flat)
             self.stats.full_params(self.full_bytes)
-            self.pending = gather_full(source, group=group, dtype=self.compute_dtype, device=self.compute_device,
-                                       pool=self.pool, tag=p2p_tag(self.index, 0))
+            self.pending = gather_full(source, group=group, dtype=self.compute_dtype,
+                                       device=self.compute_device, pool=self.pool, caller=self.caller(0, "all-gather"))
         if group is not None:
             self.stats.count(self.fqn, "gather", self.pending.sent_bytes)
 
@@ -173,20 +190,25 @@ class Unit:
             with torch.profiler.record_function(f"fullshard::wait gather {self.fqn}"):
                 self.finish_gather()
             self.stats.wait_s += time.perf_counter() - start
+            runtime.active.reads(self.full_flat)  # forward and backward compute with it
             if self.compute_dtype == self.local_flat.dtype:
                 with torch.no_grad():
                     for p in self.params:
                         if p.replicated:  # keep every rank's copy equal to the one used, Note [shard layout]
-                            p.local_shard().copy_(p.unsharded)
+                            runtime.active.copy_(p.local_shard(), p.unsharded)  # offload: to the host, no wait
         for p in self.params:
             p.to_full()
         self.state = ShardState.FULL
 
+    def caller(self, kind: int, collective: str) -> Caller:
+        """Note [named hangs]: this unit's tag, timeout and name for its collective of `kind` (0: gather, 1: reduce)."""
+        return Caller(p2p_tag(self.index, kind), self.timeout,
+                      f"the {collective} of unit {self.fqn!r} at step {self.step}")
+
     def finish_gather(self) -> None:
         """Wait for the gather in flight into the full parameters; drop the copy it gathered from."""
         try:
-            finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool,
-                          timeout=self.timeout)
+            finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool)
         except CollectiveError as e:
             raise self.failed("all-gather", e) from None
         self.pending = None
@@ -194,10 +216,13 @@ class Unit:
             self.drop_small()
 
     def failed(self, collective: str, error: Exception) -> FullShardError:
-        """Note [named hangs]: the error a rank raises when a collective of this unit does not finish."""
+        """Note [named hangs]: the error a rank raises when a collective of this unit does not
+        finish, or when a wait of this unit finds another collective overdue (it names that one)."""
+        what = (f"rank {dist.get_rank()}: {error}" if isinstance(error, OverdueCollective) else
+                f"rank {dist.get_rank()}: the {collective} of unit {self.fqn!r} at step {self.step} did not finish "
+                f"({error})")
         return fail(
-            f"rank {dist.get_rank()}: the {collective} of unit {self.fqn!r} at step {self.step} did not finish "
-            f"({error})",
+            what,
             "Every rank must run the same units in the same order: another rank skipped this unit, took another "
             "branch, or died (model.set_debug_checks(True) names where ranks part). The process group cannot go on; "
             "restart the job (fullshard train --max-restarts N resumes from the last checkpoint).",
@@ -231,11 +256,15 @@ class Unit:
             first = self.small_group.rank() * block
             self.small = torch.cat([p.full_padded.view(self.group.world, -1)[first : first + block].reshape(-1)
                                     for p in self.params])  # [block * unit_shard_numel]
+            runtime.active.reads(self.full_flat)
+            runtime.active.allocated(self.small)
+            runtime.active.writes(self.small)
             self.stats.full_params(self.small.nbytes)
         self.reshard(keep_small=True)
 
     def drop_small(self) -> None:
         if self.small is not None:
+            runtime.active.freed(self.small)
             self.stats.full_params(-self.small.nbytes)
             self.small = None
 
@@ -260,10 +289,13 @@ class Unit:
         device (to read or edit whole weights; the unit's own state does not change)."""
         fulls = [torch.empty(p.padded_shape, dtype=self.local_flat.dtype, device=self.compute_device)
                  for p in self.params]
+        for full in fulls:
+            runtime.active.allocated(full)
         pending = gather_full(self.local_flat, group=self.group.shard_pg, dtype=self.local_flat.dtype,
-                              device=self.compute_device, pool=self.pool, tag=p2p_tag(self.index, 0))
+                              device=self.compute_device, pool=self.pool,
+                              caller=self.caller(0, "all-gather (of full parameters)"))
         try:
-            finish_gather(pending, fulls, self.shard_numels, self.pool, timeout=self.timeout)
+            finish_gather(pending, fulls, self.shard_numels, self.pool)
         except CollectiveError as e:
             raise self.failed("all-gather (of full parameters)", e) from None
         return [p.unpad(full) for p, full in zip(self.params, fulls)]
@@ -306,11 +338,12 @@ class Unit:
         self.count_full_grads()
         shard = torch.empty(sum(numels) + len(numels), dtype=self.reduce_dtype,
                             device=self.compute_device)  # [grad_shard_numel + n_flags]
+        runtime.active.allocated(shard)
         replicate = group.replicate_pg if self.all_reduce_grads and not self.owes_all_reduce else None
         with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
             pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, replicate),
                                            dp_size=group.dp_size, shard=shard, pool=self.pool,
-                                           tag=p2p_tag(self.index, 1))
+                                           caller=self.caller(1, "reduce-scatter"))
             for p in grad_params:
                 p.unsharded.grad = None
             del full_grads
@@ -318,7 +351,8 @@ class Unit:
         self.pending_reduce = (grad_params, all_here, pending)
 
     def finish_reduce(self) -> None:
-        """Wait for the reduction in flight and add it to the shards' gradients.
+        """Wait for the reduction in flight and land it on the shards' gradients, or queue it
+        for the end of backward (Note [landing]).
 
         A parameter no rank computed a gradient for keeps the gradient it had.
         """
@@ -329,39 +363,76 @@ class Unit:
         start = time.perf_counter()
         with torch.profiler.record_function(f"fullshard::wait reduce {self.fqn}"):
             try:
-                shard = finish_reduce(pending, self.pool, timeout=self.timeout)  # [grad_shard_numel + n_flags]
+                shard = finish_reduce(pending, self.pool)  # [grad_shard_numel + n_flags], on the compute stream
             except CollectiveError as e:
                 raise self.failed("reduce-scatter", e) from None
-        if self.nonfinite is not None and not bool(torch.isfinite(shard).all()):
-            self.saw_nonfinite = True
         self.stats.wait_s += time.perf_counter() - start
+        rt = runtime.active
+        rt.reads(shard)
+        if self.nonfinite is not None:  # on the device: hooks read every unit's at once, Note [host syncs]
+            finite = torch.isfinite(shard).all()
+            self.finite = finite if self.finite is None else self.finite & finite
         for kind, nbytes in pending.traffic:
             self.stats.count(self.fqn, kind, nbytes)
-        numels = [p.shard_numel for p in grad_params]
-        flags = [True] * len(numels) if all_here else shard[sum(numels):].tolist()  # reading them waits for the GPU
-        offset = 0
-        for p, numel, flag in zip(grad_params, numels, flags):
-            if flag:
-                p.accumulate_grad(shard[offset : offset + p.local_shape.numel()].view(p.local_shape))
-            offset += numel
-        if self.group.replicate_pg is not None:
-            self.settle_all_reduce(grad_params)
-
-    def settle_all_reduce(self, grad_params: list[ShardedParam]) -> None:
-        """With the all-reduce across replicas off, owe it; once back on, pay it on the
-        gradients accumulated since (all of them in one all-reduce)."""
-        if not self.all_reduce_grads:
+        self.reduced = True
+        if self.group.replicate_pg is not None and not self.all_reduce_grads:
             self.owes_all_reduce = True
-            return
-        if not self.owes_all_reduce:
-            return
+        flags_at = shard.numel() - len(grad_params)
+        if self.config.offload:
+            row = shard if shard.dtype == self.master_dtype else shard.to(self.master_dtype)
+            host = rt.to_host(row, pin=self.config.pin_memory)  # [grad_shard_numel + n_flags]
+            self.unlanded.append((grad_params, host[flags_at:], host))
+        elif not all_here:
+            self.unlanded.append((grad_params, rt.to_host(shard[flags_at:], pin=True), shard))
+        else:
+            self.land(grad_params, [True] * len(grad_params), shard)
+
+    # Note [landing]: a reduced row becomes the shards' gradients on the compute stream
+    # as soon as it is waited for, unless the host must see it first: with CPU offload (the
+    # row is copied to pinned host memory without waiting) or when some rank had no
+    # gradient for one of the unit's parameters (the has-gradient flags decide which
+    # gradients stay None). Those rows wait in `unlanded` until the end of backward, when
+    # the host waits once for all of them (Note [host syncs]) and `land_queued` lands them.
+
+    def land(self, grad_params: list[ShardedParam], flags: list, row: torch.Tensor) -> None:
+        """Add each parameter's part of a reduced row to its shard's gradient (where a flag says any rank had one)."""
+        offset = 0
+        for p, flag in zip(grad_params, flags):
+            if flag:
+                p.accumulate_grad(row[offset : offset + p.local_shape.numel()].view(p.local_shape))
+            offset += p.shard_numel
+        runtime.active.writes(*[p.sharded.grad.to_local() for p in grad_params if p.sharded.grad is not None])
+
+    def land_queued(self) -> None:
+        """Land the rows queued in `unlanded`, once the host has waited for the GPU."""
+        for grad_params, flags, row in self.unlanded:
+            self.land(grad_params, runtime.active.read_on_host(flags, timeout=self.timeout, what=self.caller(
+                1, "has-gradient flags").what), row)
+        self.unlanded.clear()
+
+    def settle_all_reduce(self) -> bool:
+        """With the all-reduce across replicas off, owe it; once back on, pay it on the
+        gradients accumulated since (all of them in one all-reduce). Runs at the end of a
+        backward that reduced, after landing, in unit order on every rank. Returns whether
+        it copied gradients back to host memory (CPU offload): the host must wait for them
+        (hooks wait once for every unit, Note [host syncs])."""
+        reduced, self.reduced = self.reduced, False
+        if not (reduced and self.owes_all_reduce and self.all_reduce_grads):
+            return False
         self.owes_all_reduce = False
+        grad_params = [p for p in self.params if p.sharded.requires_grad]
         for p in grad_params:  # every replica sends the same layout; a missing gradient is zero
             if p.sharded.grad is None:
                 p.accumulate_grad(torch.zeros(p.local_shape, dtype=p.sharded.dtype, device=self.local_flat.device))
+        grads = [p.sharded.grad.to_local() for p in grad_params]
+        moved = [runtime.active.to_device(g, self.compute_device) for g in grads]  # offload: NCCL reads device memory
         try:
-            nbytes = all_reduce_tensors([p.sharded.grad.to_local() for p in grad_params], group=self.group.replicate_pg,
-                                        timeout=self.timeout)
+            nbytes = all_reduce_tensors(moved, group=self.group.replicate_pg,
+                                        caller=self.caller(1, "all-reduce across replicas"))
         except CollectiveError as e:
             raise self.failed("all-reduce across replicas", e) from None
+        back = [(grad, device_grad) for grad, device_grad in zip(grads, moved) if device_grad is not grad]
+        for grad, device_grad in back:
+            runtime.active.copy_(grad, device_grad)
         self.stats.count(self.fqn, "all_reduce", nbytes)
+        return bool(back)  # the optimizer reads them on the host

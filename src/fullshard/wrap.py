@@ -17,7 +17,7 @@ from fullshard.api import FSDPModule, fully_shard
 from fullshard.errors import fail
 from fullshard.hooks import Schedule
 from fullshard.materialize import check_initializable, has_meta, materialize, sync_eager
-from fullshard.mesh import build_mesh, mesh_roles
+from fullshard.mesh import build_mesh, compute_device, mesh_roles
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 
 WrapPolicy = Iterable[type] | int | Callable[[nn.Module, str], bool] | None
@@ -106,7 +106,7 @@ def shard_model(
     if mesh is None:
         mesh = build_mesh(spec["mesh_dims"])
     if sync_module_states and not meta:
-        sync_eager(model)
+        sync_eager(model, compute_device(mesh.device_type))
     schedule = Schedule(prefetch_before_backward=backward_prefetch == "pre",
                         prefetch_after_backward=backward_prefetch == "post",
                         forward_prefetch=bool(forward_prefetch), limit=limit_all_gathers)

@@ -1,0 +1,362 @@
+"""A model of CUDA streams, events and memory that runs on the CPU: fullshard's stream order, checked.
+
+`StreamModel` has the methods of `fullshard.runtime.Runtime`; installed in a rank
+(`fullshard.runtime.installed(StreamModel())`) it makes the CPU look like a GPU with
+CUDA's semantics, while the tensors and the gloo collectives stay real. The tests run
+every strategy under it (tests/test_streams.py) and `fullshard bench` counts host syncs
+with it. What it models:
+
+- streams: a compute stream, one per side-stream purpose ("gather", "reduce",
+  "all_reduce"), a stream per collective in flight (it waits for the stream that issued
+  it, as NCCL's does), and the host. Each keeps a vector clock: how far it is ordered
+  after every other stream, through wait_stream, events, collective waits and host
+  syncs. Work a stream is given after the host did something is ordered after it.
+- buffers (by storage): every read and write is recorded with its stream and clock. A
+  read of a buffer written on another stream, or a write of one read or written there,
+  must be ordered after it; a buffer freed (to the allocator or a pool) must be ordered,
+  on the stream that allocated it, after every other stream's use. Memory the code put
+  in host memory (`to_host`, or marked by the test as a model built on the CPU) is read
+  and written by the host, and no collective may touch it (NCCL reads device memory).
+- host syncs: `host_waits`, `sync_event` and `read_on_host` of device memory are counted,
+  and so are `.item()`/`bool()` of tensors while `counting_scalars()` is on.
+
+A violation is recorded as a line naming the buffer, both streams and where in
+fullshard the access happened; `violations` collects them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+class Stream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.clock = 0  # operations given so far
+        self.seen: dict[Stream, int] = {}  # for each other stream: up to which operation this one runs after it
+
+    def after(self, other: Stream, clock: int) -> bool:
+        return other is self or self.seen.get(other, 0) >= clock
+
+    def join(self, seen: dict[Stream, int]) -> None:
+        for stream, clock in seen.items():
+            if stream is not self and clock > self.seen.get(stream, 0):
+                self.seen[stream] = clock
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Buffer:
+    """One storage: its allocating stream and the last read and write by each stream."""
+
+    def __init__(self, tensor: torch.Tensor, where: str) -> None:
+        self.label = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} (first seen at {where})"
+        self.host = False
+        self.allocated_on: Stream | None = None
+        self.last: dict[tuple[Stream, str], tuple[int, str]] = {}  # (stream, "read"/"write") -> (clock, where)
+
+
+class ModelWork:
+    """A collective in flight on its own stream; the model's `wait_works` orders the waiter after it."""
+
+    def __init__(self, work: object, stream: Stream) -> None:
+        self.work = work
+        self.stream = stream
+        self.seen = {**stream.seen, stream: stream.clock}
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+class Tracking(TorchDispatchMode):
+    """Sees every operation: counts tensor-to-Python reads (`.item()`, `bool()`: host syncs
+    on a GPU) while the model is counting, carries host memory through operations (what
+    is computed from host memory is in host memory), and records operations that mix host
+    and device memory (a device mismatch on a GPU; copies and 0-d operands excepted) and
+    collectives on host memory."""
+
+    def __init__(self, model: StreamModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        model, kwargs = self.model, kwargs or {}
+        if model.counting and func in SCALAR_READS:
+            model.host_syncs += 1
+            model.sync_sites[f"{func.__name__} at {caller_site()}"] += 1
+        out = func(*args, **kwargs)
+        if model.copying or not model.host_storages:  # the common case, kept cheap
+            return out
+        inputs = [local(t) for t in tensors_in(args, kwargs)]
+        host = [model.is_host(t) for t in inputs]
+        if not any(host):
+            return out
+        if func.namespace in ("c10d", "_c10d_functional"):
+            model.violations.append(f"collective {func.__name__} at {caller_site()} on host memory: NCCL reads and "
+                                    f"writes device memory only")
+        elif func is not torch.ops.aten.copy_.default and any(h for h, t in zip(host, inputs) if t.dim()) and \
+                any(not h for h, t in zip(host, inputs) if t.dim()):
+            model.violations.append(f"{func.__name__} at {caller_site()} mixes host and device memory")
+        known = {t.untyped_storage()._cdata for t in inputs}
+        model.mark_host(*[t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                          and local(t).untyped_storage()._cdata not in known])
+        return out
+
+
+def caller_site() -> str:
+    """file:line of the innermost fullshard frame on the stack (else the innermost outside this file)."""
+    frame = sys._getframe(1)
+    fallback = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/fullshard/" in name and not name.endswith(("runtime.py", "stream_model.py")):
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        if fallback is None and not name.endswith(("stream_model.py", "_python_dispatch.py", "contextlib.py")):
+            fallback = f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return fallback or "?"
+
+
+def tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an operator's arguments (aten takes tensors and lists of them)."""
+    out = []
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            out.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            out.extend(t for t in arg if isinstance(t, torch.Tensor))
+    return out
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class StreamModel:
+    """fullshard.runtime.Runtime's methods over modelled streams; see the module docstring.
+
+    `native`: use the collectives NCCL would (all-gather, reduce-scatter) instead of gloo's
+    point-to-point rows. `skip_waits`: (waiter, waited) stream names whose wait_stream is
+    dropped, to show that the model notices a missing wait.
+    """
+
+    def __init__(self, *, native: bool = True, skip_waits: tuple[tuple[str, str], ...] = ()) -> None:
+        self.native = native
+        self.skip_waits = set(skip_waits)
+        self.compute = Stream("compute")
+        self.host = Stream("host")
+        self.side: dict[str, Stream] = {}
+        self.comms: list[Stream] = []
+        self.stack = [self.compute]
+        self.buffers: dict[int, Buffer] = {}
+        self.host_storages: set[int] = set()  # keys of the buffers in host memory
+        self.keep: list[torch.UntypedStorage] = []  # every storage seen stays alive, so storage keys stay unique
+        self.violations: list[str] = []
+        self.host_syncs = 0
+        self.sync_sites: Counter[str] = Counter()
+        self.issued: list[tuple[str, str]] = []  # (stream, where) of every collective, in issue order
+        self.counting = False  # scalar reads count as host syncs
+        self.copying = False  # inside the model's own copies between host and device memory
+
+    # ---- streams -------------------------------------------------------------------------
+
+    def given(self, stream: Stream) -> None:
+        """The host gives `stream` work now: after everything the host did so far."""
+        if stream is not self.host:
+            stream.seen[self.host] = self.host.clock
+
+    def side_stream(self, device: torch.device, purpose: str) -> Stream:
+        if purpose not in self.side:
+            self.side[purpose] = Stream(purpose)
+        return self.side[purpose]
+
+    def current_stream(self, device: torch.device) -> Stream:
+        return self.stack[-1]
+
+    def wait_stream(self, waiter: Stream | None, waited: Stream | None) -> None:
+        if waiter is None or waited is None or waiter is waited or (waiter.name, waited.name) in self.skip_waits:
+            return
+        waiter.join({**waited.seen, waited: waited.clock})
+
+    @contextlib.contextmanager
+    def use(self, stream: Stream | None) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        self.stack.append(stream)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+    def record_event(self, stream: Stream | None) -> dict | None:
+        return None if stream is None else {**stream.seen, stream: stream.clock}
+
+    def sync_event(self, event: dict | None, *, timeout: timedelta, what: str) -> None:
+        if event is not None:
+            self.host_syncs += 1
+            self.sync_sites[f"sync_event at {caller_site()}"] += 1
+            self.host.join(event)
+
+    # ---- collectives -----------------------------------------------------------------------
+
+    def point_to_point(self, group: object) -> bool:
+        return not self.native
+
+    def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
+        issuer = self.stack[-1]
+        stream = Stream(f"collective #{len(self.comms)} (issued on {issuer.name} at {caller_site()})")
+        self.comms.append(stream)
+        self.issued.append((issuer.name, caller_site()))
+        self.given(issuer)
+        stream.join({**issuer.seen, issuer: issuer.clock})
+        for tensor in [*reads, *writes]:
+            if self.buffer(tensor).host:
+                self.violations.append(f"a collective at {caller_site()} touches host memory "
+                                       f"{self.buffer(tensor).label}: NCCL reads and writes device memory only")
+        self.access(stream, reads, "read", copy=True)
+        self.access(stream, writes, "write", copy=True)
+        return [ModelWork(work, stream) for work in works]
+
+    def wait_works(self, works: list, *, timeout: timedelta, what: str, on_device: bool) -> None:
+        waiter = self.stack[-1]
+        for work in works:
+            work.work.wait(timeout)  # gloo really runs them; the model only orders the streams
+            waiter.join(work.seen)
+
+    # ---- buffers ---------------------------------------------------------------------------
+
+    def buffer(self, tensor: torch.Tensor) -> Buffer:
+        tensor = local(tensor)
+        key = tensor.untyped_storage()._cdata
+        if key not in self.buffers:
+            self.buffers[key] = Buffer(tensor, caller_site())
+            self.keep.append(tensor.untyped_storage())  # the storage itself: `.data =` may move the tensor
+        return self.buffers[key]
+
+    def access(self, stream: Stream, tensors: list[torch.Tensor], kind: str, *, copy: bool = False) -> None:
+        """`stream` reads or writes `tensors`; kernels on host memory run on the host, copies on `stream`."""
+        where = caller_site()
+        for tensor in tensors:
+            buffer = self.buffer(tensor)
+            on = self.host if buffer.host and not copy else stream
+            self.given(on)
+            conflicts = ("write",) if kind == "read" else ("read", "write")
+            for (other, other_kind), (clock, other_where) in buffer.last.items():
+                if other is not on and other_kind in conflicts and not on.after(other, clock):
+                    self.violations.append(
+                        f"{kind} on {on.name} at {where} of {buffer.label} is not ordered after the "
+                        f"{other_kind} on {other.name} at {other_where}")
+            on.clock += 1
+            buffer.last[(on, kind)] = (on.clock, where)
+
+    def reads(self, *tensors: torch.Tensor) -> None:
+        self.access(self.stack[-1], list(tensors), "read")
+
+    def writes(self, *tensors: torch.Tensor) -> None:
+        self.access(self.stack[-1], list(tensors), "write")
+
+    def allocated(self, tensor: torch.Tensor) -> None:
+        buffer = self.buffer(tensor)
+        buffer.allocated_on = self.stack[-1]
+        buffer.last.clear()
+
+    def freed(self, tensor: torch.Tensor) -> None:
+        buffer = self.buffer(tensor)
+        owner = buffer.allocated_on or self.stack[-1]
+        for (other, kind), (clock, where) in buffer.last.items():
+            if not owner.after(other, clock) and not buffer.host:
+                self.violations.append(
+                    f"{buffer.label}, allocated on {owner.name}, is freed at {caller_site()} while the {kind} on "
+                    f"{other.name} at {where} may still run: the allocator may hand it out again")
+
+    # ---- host and device memory --------------------------------------------------------------
+
+    def mark_host(self, *tensors: torch.Tensor) -> None:
+        """These tensors live in host memory (a model built on the CPU, offloaded shards)."""
+        for tensor in tensors:
+            self.buffer(tensor).host = True
+            self.host_storages.add(local(tensor).untyped_storage()._cdata)
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return local(tensor).untyped_storage()._cdata in self.host_storages
+
+    def separate_memory(self, shard_device: torch.device, compute_device: torch.device, *, offloaded: bool) -> bool:
+        """The model pretends to be a GPU: offloaded shards are host memory, never the full parameters."""
+        return offloaded or shard_device != compute_device
+
+    def elsewhere(self, tensor: torch.Tensor, device: torch.device) -> bool:
+        return self.buffer(tensor).host or tensor.device != device
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copying = True
+        try:
+            dst.copy_(src)
+        finally:
+            self.copying = False
+        self.access(self.stack[-1], [src], "read", copy=True)  # a copy engine on the current stream
+        self.access(self.stack[-1], [dst], "write", copy=True)
+
+    def copied(self, tensor: torch.Tensor, host: bool) -> torch.Tensor:
+        self.copying = True
+        try:
+            out = tensor.clone()
+        finally:
+            self.copying = False
+        buffer = self.buffer(out)
+        buffer.allocated_on = self.stack[-1]
+        if host:
+            self.mark_host(out)
+        self.copy_(out, tensor)
+        return out
+
+    def to_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return self.copied(tensor, host=False) if self.buffer(tensor).host else tensor
+
+    def to_host(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+        return tensor if self.buffer(tensor).host else self.copied(tensor, host=True)
+
+    def host_waits(self, device: torch.device, *, timeout: timedelta, what: str) -> None:
+        self.host_syncs += 1
+        self.sync_sites[f"host_waits at {caller_site()}"] += 1
+        stream = self.stack[-1]
+        self.host.join({**stream.seen, stream: stream.clock})
+
+    def read_on_host(self, tensor: torch.Tensor, *, timeout: timedelta, what: str) -> list:
+        if not self.buffer(tensor).host:  # device memory: the host waits for the current stream first
+            self.host_waits(tensor.device, timeout=timeout, what=what)
+        self.access(self.host, [tensor], "read")
+        return tensor.tolist()
+
+    # ---- checks for the tests ----------------------------------------------------------------
+
+    def check_joined(self, when: str) -> None:
+        """The compute stream has waited for everything every other stream was given (end of backward)."""
+        behind = [s.name for s in [*self.side.values(), *self.comms] if not self.compute.after(s, s.clock)]
+        if behind:
+            self.violations.append(f"{when}: the compute stream has not waited for {', '.join(behind)}")
+
+    def tracking(self) -> Tracking:
+        """A context in which every operation is seen (see Tracking)."""
+        return Tracking(self)
+
+    @contextlib.contextmanager
+    def counting_scalars(self) -> Iterator[None]:
+        """Count `.item()` and `bool()` of tensors inside the context as host syncs (inside `tracking()`)."""
+        self.counting = True
+        try:
+            yield
+        finally:
+            self.counting = False

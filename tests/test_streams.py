@@ -1,0 +1,165 @@
+"""Stream order and host syncs of every strategy, checked on the CPU with a model of CUDA streams.
+
+Each configuration trains the smallest GPT with block units (2 blocks and the root) for
+2 steps with `fullshard.stream_model.StreamModel` installed as fullshard's runtime: the
+collectives and tensors are real (gloo, CPU), the streams, events, host syncs and the
+host/device memory split are modelled as CUDA has them. The matrix: strategy
+(full_shard, shard_grad_op, no_shard, hybrid with shard groups of 2 and of 1,
+reshard_after_forward=2) x precision (fp32, bf16, fp16 with a GradScaler) x CPU offload
+(on, off) x schedule (prefetch on, off, gradient accumulation, no_sync). Every world size
+runs its whole share in one job (one `world.run`), whose results the tests below read.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fullshard
+from fullshard import runtime
+from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.stream_model import StreamModel
+from tests.models import SEQ, VOCAB, build, token_batch, train_modelled
+from tests.reference import global_batches, local_slice
+
+PRECISIONS = ["fp32", "bf16", "fp16"]
+MODES = ["prefetch", "no_prefetch", "accumulate", "no_sync"]
+WORLD2 = ["full_shard", "shard_grad_op", "no_shard", "hybrid_f1"]
+WORLD4 = ["hybrid_f2", "reshard_to_2"]
+STEPS = 2
+GLOO_ROWS = dict(strategies=["full_shard", "hybrid_f1"], native=False, precisions=["fp32", "bf16"],
+                 modes=["prefetch", "no_sync"])
+GROWTH = dict(strategies=["full_shard", "no_shard"], precisions=["fp32", "fp16"], modes=["accumulate"])
+MISSING_WAITS = [
+    # issue 15, defect 1: without "the reduce stream waits for the compute stream" the
+    # all-reduce of no_shard and hybrid F=1 reads rows the compute stream is still writing
+    ("no_shard", ("reduce", "compute"), "read on collective"),
+    ("hybrid_f1", ("reduce", "compute"), "read on collective"),
+    ("full_shard", ("reduce", "compute"), "read on collective"),
+    # the gather's cast reads a shard the optimizer may still be writing
+    ("full_shard", ("gather", "compute"), "read on gather"),
+    # forward reads full parameters the gather stream is still writing
+    ("full_shard", ("compute", "gather"), "read on compute"),
+    # the gradients land before the all-reduce across replicas is done
+    ("no_shard", ("compute", "all_reduce"), "read on compute"),
+]
+
+
+def checker(strategies: list[str], n_layer: int = 2, native: bool = True, precisions: list[str] = PRECISIONS,
+            modes: list[str] = MODES) -> dict[str, dict]:
+    """Every configuration of `strategies`: its stream-order violations and host syncs per step."""
+    out = {}
+    for strategy, precision, offload, mode in itertools.product(strategies, precisions, (False, True), modes):
+        model_rt = StreamModel(native=native)
+        with runtime.installed(model_rt), model_rt.tracking():
+            model = build(strategy, precision, offload, mode, n_layer)
+            syncs = train_modelled(model, model_rt, precision, offload, mode, steps=STEPS)
+        out[f"{strategy} {precision} offload={offload} {mode}"] = {
+            "violations": model_rt.violations, "syncs": syncs, "sites": dict(model_rt.sync_sites)}
+    return out
+
+
+def missing_wait(strategy: str, skipped: tuple[str, str]) -> list[str]:
+    """The violations of one configuration whose `skipped` (waiter, waited) wait_stream is dropped."""
+    model_rt = StreamModel(skip_waits=(skipped,))
+    with runtime.installed(model_rt), model_rt.tracking():
+        model = build(strategy, "bf16", False, "prefetch")
+        train_modelled(model, model_rt, "bf16", False, "prefetch", steps=STEPS)
+    return model_rt.violations
+
+
+def bench_syncs(n_layer: int) -> int:
+    """What `fullshard bench` reports as host syncs per step, for a GPT of `n_layer` block units."""
+    from fullshard.bench import host_syncs_per_step
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=n_layer, n_head=2, n_embd=30))
+    fullshard.shard_model(model, wrap={Block}, forward_prefetch=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = local_slice(global_batches(token_batch, 1, 4)[0], dist.get_rank(), dist.get_world_size())
+    model(*batch).backward()  # the first step records the forward order
+    optimizer.zero_grad()
+    return host_syncs_per_step(model, batch, optimizer)
+
+
+def world2_job() -> dict:
+    """Everything this file checks on 2 ranks, in one job."""
+    return {
+        "matrix": checker(WORLD2),
+        "gloo_rows": checker(**GLOO_ROWS),
+        "more_units": checker(n_layer=3, **GROWTH),
+        "missing_waits": [missing_wait(strategy, skipped) for strategy, skipped, _ in MISSING_WAITS],
+        "bench_syncs": [bench_syncs(2), bench_syncs(3)],
+    }
+
+
+def world4_job() -> dict:
+    return {"matrix": checker(WORLD4)}
+
+
+@pytest.fixture(scope="module")
+def on2(world2) -> list[dict]:
+    return world2.run(world2_job)
+
+
+@pytest.fixture(scope="module")
+def on4(world4) -> list[dict]:
+    return world4.run(world4_job)
+
+
+def expected_syncs(precision: str, offload: bool, mode: str) -> int:
+    """Host syncs per step, Note [host syncs]: per backward that reduced (not the first one
+    under no_sync), one read of the non-finite flags (fp32 and bf16 check them) and one
+    wait for the gradients copied to the host (offload); with offload, clipping the
+    gradients in host memory waits for the clip coefficient."""
+    backwards = 1 if mode in ("prefetch", "no_prefetch") else 2
+    reducing = 1 if mode == "no_sync" else backwards
+    return reducing * (precision != "fp16") + (reducing + 1) * offload
+
+
+def check_results(results: list[dict[str, dict]]) -> None:
+    for rank, configs in enumerate(results):
+        for name, got in configs.items():
+            assert not got["violations"], f"rank {rank}, {name}:\n" + "\n".join(got["violations"][:8])
+            precision, offload, mode = name.split()[1], "offload=True" in name, name.split()[-1]
+            want = expected_syncs(precision, offload, mode)
+            assert got["syncs"] == [want] * len(got["syncs"]), f"rank {rank}, {name}: {got['syncs']} {got['sites']}"
+
+
+def test_stream_order_and_host_syncs_world2(on2):
+    check_results([got["matrix"] for got in on2])
+    assert len(on2[0]["matrix"]) == len(WORLD2) * len(PRECISIONS) * 2 * len(MODES)
+
+
+def test_stream_order_and_host_syncs_world4(on4):
+    check_results([got["matrix"] for got in on4])
+    assert len(on4[0]["matrix"]) == len(WORLD4) * len(PRECISIONS) * 2 * len(MODES)
+
+
+def test_stream_order_on_gloo_rows(on2):
+    # gloo's point-to-point rows (Note [collective choice]) keep the same order
+    check_results([got["gloo_rows"] for got in on2])
+
+
+def test_host_syncs_do_not_grow_with_units(on2):
+    for got in on2:
+        assert got["more_units"], got.keys()
+        for name, many in got["more_units"].items():
+            assert many["syncs"] == got["matrix"][name]["syncs"], name
+
+
+@pytest.mark.parametrize("case", range(len(MISSING_WAITS)),
+                         ids=[f"{strategy}-{'-waits-'.join(skipped)}" for strategy, skipped, _ in MISSING_WAITS])
+def test_the_model_sees_each_missing_wait(on2, case):
+    seen = MISSING_WAITS[case][2]
+    for got in on2:
+        violations = got["missing_waits"][case]
+        assert any(v.startswith(seen) for v in violations), violations
+
+
+def test_bench_reports_host_syncs_independent_of_units(on2):
+    # one per step: the read of every unit's non-finite flag at once (Note [host syncs])
+    assert [got["bench_syncs"] for got in on2] == [[1, 1], [1, 1]]
