@@ -39,6 +39,7 @@ from fullshard.errors import fail, require
 from fullshard.gpt import GPT, GPTConfig
 from fullshard.param import shard_numel
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.stats import process_memory
 from fullshard.wrap import choose_units, shard_model
 
 
@@ -326,9 +327,6 @@ def probe(device: str, precision: str) -> str:
     """In a fresh process: the peak memory of 3 AdamW steps of the probe GPT sharded per block
     in `precision`, above the memory held before the model is built, then the rate of one
     large matmul; as "bytes flops"."""
-    from fullshard.stats import process_memory
-    from fullshard.wrap import shard_model as shard
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # nothing listens
     x = torch.randint(0, PROBE_CONFIG.vocab_size, (PROBE_BATCH, PROBE_CONFIG.block_size + 1), device=device)
@@ -343,7 +341,7 @@ def probe(device: str, precision: str) -> str:
     with torch.device("meta"):
         model = GPT(PROBE_CONFIG)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16" else None
-    shard(model, wrap={type(model.h[0])}, mp_policy=mp, forward_prefetch=True)
+    shard_model(model, wrap={type(model.h[0])}, mp_policy=mp, forward_prefetch=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(3):
         model(x[:, :-1], x[:, 1:]).backward()
