@@ -115,7 +115,7 @@ def test_the_runtime_term_is_measured_on_this_machine():
     # the probe's figure, not the table's: a machine whose kernels hold other memory gets its own
     plan = fullshard.plan(meta_gpt(), world_size=2, memory_budget=1e15, batch=8, seq=128, hardware=CPU,
                           precisions=("fp32", "bf16"))
-    probed = fullshard.planner.measured("cpu", ("fp32", "bf16"))
+    probed = fullshard.planner.measured(("fp32", "bf16"))
     assert [plan.hardware.runtime[p] for p in ("fp32", "bf16")] == [p.runtime for p in probed]
     assert all(10 << 20 < p.runtime < 500 << 20 for p in probed), probed  # a process's libraries, not 0
     assert [plan.hardware.flops[p] for p in ("fp32", "bf16")] == [p.flops * 0.57 for p in probed]

@@ -56,7 +56,7 @@ class Hardware:
     ranks_per_node: int
     memory: float  # bytes per rank
     # bytes a rank's runtime holds besides tensors, by precision: on paper; measured instead
-    # where `device` is this machine's (Note [runtime probe])
+    # for a CPU (Note [runtime probe])
     runtime: dict[str, int]
     device: str = "cuda"  # activations are measured as this device's kernels would save them
     host_bw: float = 0.0  # bytes/s between host and device memory per rank (CPU offload; 0: no offload candidates)
@@ -307,6 +307,19 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
 
 # ---- measuring this machine, Note [runtime probe] ------------------------------------------
 
+# Note [runtime probe]: besides tensors, a process holds memory that depends on the
+# machine, not the model: library code paged in as kernels first run, oneDNN's JIT
+# kernels and caches, allocator and autograd state. It differs by instruction set (on a
+# CPU without AVX-512 bf16, oneDNN runs bf16 matmuls another way and a process holds ~14
+# MB less), so it is measured, not tabled: a fresh process trains a tiny GPT for 3 steps,
+# and its peak resident memory minus what this planner counts for that GPT's tensors is
+# the runtime term. Compute differs likewise (bf16 matmuls run ~100x slower without
+# AVX-512 bf16), so the same process times one large matmul, and a step's FLOP/s are a
+# fixed share of that rate. The probe runs once per process and precision, on rank 0 when
+# a process group is up (every rank must plan alike), in ~3-5 s. GPU figures stay on
+# paper: a GPU's runtime is mostly its CUDA context and NCCL's buffers, which no
+# allocator statistic of a probe process shows.
+
 PROBE_CONFIG = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64)
 PROBE_BATCH = 2
 # A CPU training step sustains this share of one large matmul's rate (fitted on the machine
@@ -323,21 +336,16 @@ class Probe:
     flops: float  # one large matmul's FLOP/s, one thread
 
 
-def probe(device: str, precision: str) -> str:
-    """In a fresh process: the peak memory of 3 AdamW steps of the probe GPT sharded per block
-    in `precision`, above the memory held before the model is built, then the rate of one
-    large matmul; as "bytes flops"."""
+def probe(precision: str) -> str:
+    """In a fresh process: the peak resident memory of 3 AdamW steps of the probe GPT sharded
+    per block in `precision`, above the memory held before the model is built, then the rate
+    of one large matmul; as "bytes flops"."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # nothing listens
-    x = torch.randint(0, PROBE_CONFIG.vocab_size, (PROBE_BATCH, PROBE_CONFIG.block_size + 1), device=device)
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:  # restart the peak (VmHWM) from now
-            f.write("5")
-        before = process_memory("VmRSS")
+    x = torch.randint(0, PROBE_CONFIG.vocab_size, (PROBE_BATCH, PROBE_CONFIG.block_size + 1))
+    with open("/proc/self/clear_refs", "w") as f:  # restart the peak (VmHWM) from now
+        f.write("5")
+    before = process_memory("VmRSS")
     with torch.device("meta"):
         model = GPT(PROBE_CONFIG)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16" else None
@@ -347,40 +355,33 @@ def probe(device: str, precision: str) -> str:
         model(x[:, :-1], x[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    if cuda:  # the allocator's peak, and what the CUDA context and libraries hold outside it
-        free, total = torch.cuda.mem_get_info()
-        peak = torch.cuda.max_memory_allocated() - before + total - free - torch.cuda.memory_reserved()
-    else:
-        peak = process_memory("VmHWM") - before
+    peak = process_memory("VmHWM") - before
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    a, b = torch.randn(512, 384, dtype=dtype, device=device), torch.randn(384, 1536, dtype=dtype, device=device)
+    a, b = torch.randn(512, 384, dtype=dtype), torch.randn(384, 1536, dtype=dtype)
     seconds: list[float] = []
     while len(seconds) < 3 or len(seconds) < 10 and sum(seconds) < 0.3:  # the fastest of a few: the rate the
         start = time.perf_counter()                                      # kernel sustains, not a preemption
         a @ b
-        if cuda:
-            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return f"{peak} {2 * a.size(0) * a.size(1) * b.size(1) / min(seconds[1:])}"
 
 
-_probed: dict[tuple[str, str], Probe] = {}  # (device, precision) -> its probe, for this process
+_probed: dict[str, Probe] = {}  # precision -> its probe, for this process
 
 
-def measured(device: str, precisions: tuple[str, ...]) -> list[Probe]:
+def measured(precisions: tuple[str, ...]) -> list[Probe]:
     """This machine's probe of each precision (Note [runtime probe]), run once per process."""
-    missing = tuple(prec for prec in precisions if (device, prec) not in _probed)
+    missing = tuple(prec for prec in precisions if prec not in _probed)
     if missing:
-        _probed.update({(device, prec): got for prec, got in zip(missing, _run_probes(device, missing))})
-    return [_probed[(device, prec)] for prec in precisions]
+        _probed.update(zip(missing, _run_probes(missing)))
+    return [_probed[prec] for prec in precisions]
 
 
-def _run_probes(device: str, precisions: tuple[str, ...]) -> list[Probe]:
+def _run_probes(precisions: tuple[str, ...]) -> list[Probe]:
     """Probe each precision in its own fresh process (at once); subtract the probe GPT's tensors."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",  # freed memory goes back: RSS follows live memory
            "OMP_NUM_THREADS": "1"}
-    runs = [subprocess.Popen([sys.executable, "-c", f"from fullshard.planner import probe; print(probe({device!r}, "
-                              f"{prec!r}))"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [subprocess.Popen([sys.executable, "-c", f"from fullshard.planner import probe; print(probe({prec!r}))"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for prec in precisions]
     with torch.device("meta"):
         model = GPT(PROBE_CONFIG)
@@ -389,14 +390,14 @@ def _run_probes(device: str, precisions: tuple[str, ...]) -> list[Probe]:
     for prec, run in zip(precisions, runs):
         stdout, stderr = run.communicate(timeout=600)
         if run.returncode != 0:
-            raise fail(f"the planner's probe of this machine ({device}, {prec}) failed: "
+            raise fail(f"the planner's probe of this machine ({prec}) failed: "
                        f"{(stderr.strip().splitlines() or ['no output'])[-1]}",
                        "Plan for hardware that is not this machine (hardware='a100', 'h100' or a Hardware of "
                        "another device), or report this as a bug.")
         peak, flops = stdout.split()[-2:]
         tensors = Candidate("blocks", "full_shard", 2, prec, False)
         acts = activation_bytes(model, PROBE_BATCH, PROBE_CONFIG.block_size,
-                                torch.bfloat16 if prec == "bf16" else torch.float32, None, False, device)
+                                torch.bfloat16 if prec == "bf16" else torch.float32, None, False, "cpu")
         cost(tensors, units, world=1, acts=acts, optimizer_states=2, tokens=0,
              hardware=dataclasses.replace(HARDWARE["cpu"], runtime={prec: 0}))
         probes.append(Probe(max(0, int(peak) - tensors.peak), float(flops)))
@@ -404,13 +405,12 @@ def _run_probes(device: str, precisions: tuple[str, ...]) -> list[Probe]:
 
 
 def calibrated(hw: Hardware, precisions: tuple[str, ...]) -> Hardware:
-    """`hw` with what the probe measures here, when its device is this machine's: the runtime
-    bytes and, on a CPU, the FLOP/s. Every rank of a process group takes rank 0's figures, so
-    that all plan alike."""
-    if not (hw.device == "cpu" or (hw.device == "cuda" and torch.cuda.is_available())):
-        return hw  # planning for hardware that is not here: the figures on paper
+    """`hw` with the runtime bytes and FLOP/s the probe measures here, when it is a CPU; every
+    rank of a process group takes rank 0's figures, so that all plan alike (Note [runtime probe])."""
+    if hw.device != "cpu":
+        return hw
     ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    probes = measured(hw.device, precisions) if not ranks or dist.get_rank() == 0 else [Probe(0, 0.0)] * len(precisions)
+    probes = measured(precisions) if not ranks or dist.get_rank() == 0 else [Probe(0, 0.0)] * len(precisions)
     figures = [(float(p.runtime), p.flops) for p in probes]
     if ranks:
         nccl = dist.get_backend() == "nccl"
@@ -419,8 +419,7 @@ def calibrated(hw: Hardware, precisions: tuple[str, ...]) -> Hardware:
         broadcast_from_rank0([agreed])
         figures = agreed.tolist()
     runtime = {prec: int(nbytes) for prec, (nbytes, _) in zip(precisions, figures)}
-    flops = {prec: rate * CPU_STEP_EFFICIENCY for prec, (_, rate) in zip(precisions, figures)} \
-        if hw.device == "cpu" else {}
+    flops = {prec: rate * CPU_STEP_EFFICIENCY for prec, (_, rate) in zip(precisions, figures)}
     return dataclasses.replace(hw, runtime={**hw.runtime, **runtime}, flops={**hw.flops, **flops})
 
 def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch: int, seq: int,
