@@ -36,7 +36,7 @@ def offload_nccl_job(strategy: str) -> list[str]:
     model_rt = StreamModel()
     with runtime.installed(model_rt), model_rt.tracking():
         model = build(strategy, "fp32", True, "prefetch", 2)
-        model_rt.mark_host(*[unit.local_flat for unit in units_under(model)])
+        model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.shards])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         rank, world = dist.get_rank(), dist.get_world_size()
         for k, batch in enumerate(global_batches(token_batch, 2, 8)):
@@ -220,10 +220,12 @@ def stuck_unit_job() -> dict:
     torch.manual_seed(0)
     model = tiny_gpt()
     fullshard.shard_model(model, wrap={Block})
+    batch = local_slice(global_batches(token_batch, 1, 4)[0], dist.get_rank(), dist.get_world_size())
+    with torch.no_grad():
+        model(*batch)  # the first forward's check of the ranks' modes waits on the host: before the tiny timeout
     model.set_timeout(0.001)
     rt = StuckRuntime("unit 'h.0'")
     rt.watch.poll_s = 5.0  # the test scans itself, between the two forwards
-    batch = local_slice(global_batches(token_batch, 1, 4)[0], dist.get_rank(), dist.get_world_size())
     with runtime.installed(rt), torch.no_grad():
         model(*batch)  # every unit gathers; h.0's marker stays pending
         time.sleep(0.01)

@@ -82,9 +82,9 @@ def collectives_job(seed: int) -> dict:
     local = torch.cat([p.chunk(world)[rank].reshape(-1) for p in padded])
     pool = BufferPool()
     cpu, f32 = torch.device("cpu"), torch.float32
-    first = gather_full(local, group=group, dtype=f32, device=cpu, pool=pool,
+    first = gather_full([local], group=group, dtype=f32, device=cpu, pool=pool,
                         caller=Caller(p2p_tag(0, 0), TIMEOUT))
-    second = gather_full(2 * local, group=group, dtype=f32, device=cpu, pool=pool,
+    second = gather_full([2 * local], group=group, dtype=f32, device=cpu, pool=pool,
                          caller=Caller(p2p_tag(1, 0), TIMEOUT))
     outs, twice = [torch.empty_like(p) for p in padded], [torch.empty_like(p) for p in padded]
     finish_gather(first, outs, [p.numel() // world for p in padded], pool)

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fullshard import runtime
@@ -18,12 +19,13 @@ from fullshard.errors import fail
 from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, unit_hooks, units_under
 from fullshard.mesh import shard_group
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
-from fullshard.unit import OwnedParam, Unit, UnitConfig
+from fullshard.unit import OwnedParam, Unit, UnitConfig, unit_of
 
 # Original parameter -> description of the unit that took it. A parameter registered in
 # two units would get two independent shards that silently drift apart (the failure of
 # tied weights split across units), so a second unit asking for it is refused.
 _OWNER = WeakIdKeyDictionary()  # weak, by identity: tensors compare elementwise
+_optimizer_hook = None  # check_optimizer's handle, once registered
 
 
 class UnshardHandle:
@@ -69,6 +71,16 @@ class FSDPModule:
         """
         for unit in self._units(recurse):
             unit.sync_grads = requires_gradient_sync
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch, honoured so that DDP code runs unchanged: assigning ``False`` is
+        ``set_requires_gradient_sync(False)`` for this unit and every unit below it."""
+        return all(unit.sync_grads for unit in self._units(True))
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.set_requires_gradient_sync(bool(value))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Hybrid sharding: keep reducing inside the shard group but skip the all-reduce across
@@ -171,7 +183,7 @@ class FSDPModule:
         if unit.params:
             local = unit.params[0].local_shard()
             if local.device.type != "meta" and local.untyped_storage().data_ptr() != \
-                    unit.local_flat.untyped_storage().data_ptr():
+                    unit.shards[0].untyped_storage().data_ptr():
                 unit.materialize(unit.group.device if unit.config.offload else local.device)
         return module
 
@@ -181,6 +193,31 @@ class FSDPModule:
             "Copy the model before sharding it, or build a new one and load "
             "fullshard.get_state_dict(model) into it.",
         )
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Before every optimizer step (a global hook, registered by the first fully_shard): refuse
+    an optimizer that would silently not train a sharded model. Only the parameters that are
+    not DTensors, few in a sharded model, need a look."""
+    stale, unaveraged, sharded = [], [], False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, torch.distributed.tensor.DTensor):
+                sharded = True
+            elif p in _OWNER:
+                stale.append(_OWNER[p])
+            elif p.grad is not None:
+                unaveraged.append(tuple(p.shape))
+    if stale:
+        raise fail(f"this {type(optimizer).__name__} holds {len(stale)} parameters that fully_shard replaced "
+                   f"(e.g. {stale[0]}), so its steps would never change the model",
+                   "Build the optimizer after shard_model / fully_shard, from model.parameters().")
+    if sharded and unaveraged and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise fail(f"this {type(optimizer).__name__} steps on {len(unaveraged)} parameters that no unit manages "
+                   f"(shapes {unaveraged[:6]}) next to sharded ones: their gradients were not averaged across "
+                   f"ranks, so every rank would train its own copy of them",
+                   "Call fully_shard on the root module too, last (after its blocks), or use fullshard.shard_model, "
+                   "whose root is always a unit.")
 
 
 def prefetch_targets(modules: list[nn.Module], what: str) -> list[UnitHooks]:
@@ -234,7 +271,7 @@ def owned_params(module: nn.Module, exclude: Iterable[nn.Parameter] = ()) -> lis
 
 
 def check_owned(module: nn.Module, owned: list[OwnedParam]) -> None:
-    """Refuse parameters that another unit manages, or that cannot share one flat buffer."""
+    """Refuse parameters that another unit manages, or that cannot be communicated in one buffer."""
     what = type(module).__name__
     for o in owned:
         if o.param in _OWNER:
@@ -246,6 +283,12 @@ def check_owned(module: nn.Module, owned: list[OwnedParam]) -> None:
                 "or use fullshard.shard_model, which leaves tied parameters to that ancestor.",
             )
         if isinstance(o.param, torch.distributed.tensor.DTensor):
+            owner = unit_of(o.param)
+            if owner is not None:
+                raise fail(f"parameter {o.fqn!r} of this {what} is already sharded by the unit of a "
+                           f"{type(owner.module).__name__} that contains it",
+                           "Apply fully_shard bottom-up: the blocks first, the root last (or use "
+                           "fullshard.shard_model, which does).")
             raise fail(f"parameter {o.fqn!r} of this {what} is already a DTensor",
                        "fullshard shards plain parameters; apply it to the model before any other parallelism.")
     devices = {o.param.device for o in owned}
@@ -262,20 +305,48 @@ def check_owned(module: nn.Module, owned: list[OwnedParam]) -> None:
                    "their own units first; use MixedPrecisionPolicy for low-precision compute.")
 
 
-def check_ranks_agree(module: nn.Module, owned: list[OwnedParam], device: torch.device) -> None:
-    """Refuse, on every rank and before anything changes, ranks that would shard different
-    parameters (names, shapes, dtypes or requires_grad): they would silently mix values."""
-    described = [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad) for o in owned]
-    digest = zlib.crc32(repr(described).encode())
-    if torch.distributed.get_world_size() == 1 or \
-            len({d for (d,) in all_gather_ints([digest], device=device, timeout=timedelta(seconds=300))}) == 1:
+# the integer type whose elements have the size of a dtype's, to sum a tensor's bits
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_sums(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's bits summed as integers of its element size, wrapping (0 for meta tensors).
+    Wrapping integer addition is associative, so equal values give equal sums on any device
+    and CPU, in any summation order, where a float sum's rounding would not; and summing in
+    the element's own size needs no widened copy of the tensor."""
+    sums = []
+    for t in tensors:
+        if not t.is_meta:
+            bits = t.detach().reshape(-1).view(INT_OF_SIZE.get(t.element_size(), torch.int64))
+            sums.append(bits.sum(dtype=bits.dtype).to(torch.int64))
+    values = iter(torch.stack(sums).tolist() if sums else [])
+    return [0 if t.is_meta else next(values) for t in tensors]
+
+
+def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device: torch.device) -> None:
+    """Refuse, on every rank, ranks that would shard different parameters: `described` holds
+    each parameter's (name, shape, dtype, requires_grad), `sums` its bit_sums. Ranks that
+    differ would silently mix rows of different models. One small all-gather when they agree."""
+    digest = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(sums).encode())]
+    if torch.distributed.get_world_size() == 1:
         return
-    everyone = all_gather_objects(described)
-    differ = [f"rank {r}: {sorted(set(theirs) ^ set(everyone[0]))}" for r, theirs in enumerate(everyone)
-              if theirs != everyone[0]]
-    raise fail(f"ranks would shard different parameters in this {type(module).__name__} ((name, shape, dtype, "
-               f"requires_grad) differing from rank 0: {'; '.join(differ)})",
-               "Build the same model on every rank, with the same parameters frozen, before sharding.")
+    digests = all_gather_ints(digest, device=device, timeout=timedelta(seconds=300))
+    if len({structure for structure, _ in digests}) > 1:
+        everyone = all_gather_objects(described)
+        differ = [f"rank {r}: {sorted(set(theirs) ^ set(described))}" for r, theirs in enumerate(everyone)
+                  if theirs != described]
+        raise fail(f"ranks would shard different parameters in {what} ((name, shape, dtype, requires_grad) "
+                   f"differing from this rank's: {'; '.join(differ)})",
+                   "Build the same model on every rank, with the same parameters frozen, before sharding.")
+    if len({values for _, values in digests}) == 1 or not sums:
+        return
+    everyone = all_gather_ints(sums, device=device, timeout=timedelta(seconds=300))  # same length: same parameters
+    names = [d[0] for i, d in enumerate(described) if len({theirs[i] for theirs in everyone}) > 1]
+    listing = ", ".join(map(repr, names[:8])) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    raise fail(f"ranks hold different values of {listing} in {what}: sharding would keep rank 0's rows of one "
+               f"model and the other ranks' rows of others",
+               "Seed every rank alike before building the model (torch.manual_seed(seed) with the same seed), or "
+               "shard with fullshard.shard_model(model, ..., sync_module_states=True) to make rank 0's values win.")
 
 
 def fully_shard(
@@ -330,10 +401,13 @@ def fully_shard(
         if policy is not None and not isinstance(policy, kind):
             raise fail(f"{name} must be a fullshard.{kind.__name__} or None, got {type(policy).__name__}",
                        f"Pass fullshard.{kind.__name__}(...).")
+    global _optimizer_hook
     owned = owned_params(module, _exclude)
     check_owned(module, owned)
     group = shard_group(mesh)
-    check_ranks_agree(module, owned, group.device)
+    check_ranks_agree(f"this {type(module).__name__}",
+                      [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad) for o in owned],
+                      bit_sums([o.param for o in owned]), group.device)
     post_forward_world = 1
     if type(reshard_after_forward) is int:
         k = reshard_after_forward
@@ -359,4 +433,6 @@ def fully_shard(
         _OWNER[o.param] = f"{type(module).__name__} (as {o.fqn!r})"
     module.__class__ = fsdp_class(type(module))
     module.__dict__[HOOKS_ATTR] = UnitHooks(unit, _schedule)
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer)
     return module

@@ -64,12 +64,14 @@ def p2p_tag(unit_index: int, kind: int) -> int:
     return 16 + 2 * unit_index + kind
 
 
-def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, timeout: timedelta) -> list[list[int]]:
-    """Every rank's `values` (the same length on every rank), rank by rank; reading them is a host sync."""
+def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, timeout: timedelta,
+                    group: dist.ProcessGroup | None = None) -> list[list[int]]:
+    """Every rank's `values` (the same length on every rank of `group`, default: all), rank by
+    rank; reading them is a host sync."""
     rt = runtime.active
     mine = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64, device=device)
-    out = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.int64, device=device)
-    works = rt.launched([_all_gather_single(out, mine, async_op=True)], reads=[mine], writes=[out])
+    out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
+    works = rt.launched([_all_gather_single(out, mine, group=group, async_op=True)], reads=[mine], writes=[out])
     wait_all(works, Caller(0, timeout, "an all-gather of integers"), on_device=device.type == "cuda")
     return rt.read_on_host(out.view(-1, mine.numel()), timeout=timeout, what="an all-gather of integers")
 
@@ -199,25 +201,31 @@ class PendingGather:
 
 
 def gather_full(
-    shard: torch.Tensor, *, group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device,
+    shards: list[torch.Tensor], *, group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device,
     pool: BufferPool, caller: Caller,
 ) -> PendingGather:
-    """Start gathering every rank's flat shard over `group` in `dtype` on `device`.
+    """Start gathering every rank's flat shard (`shards`, back to back) over `group` in
+    `dtype` on `device`.
 
-    The shard is first moved to the compute device (CPU offload) and cast (mixed
-    precision), so the gather moves `dtype`'s bytes. With no group (one rank holds
-    every row) nothing is sent: the staged shard is the result.
+    The shards are first copied into one send buffer on the compute device, the copy
+    doing the move of CPU offload and the cast of mixed precision, so the gather moves
+    `dtype`'s bytes. With no group (one rank holds every row) nothing is sent: the send
+    buffer is the result.
     """
     rt = runtime.active
     world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     stream = rt.side_stream(device, "gather")
     rt.wait_stream(stream, rt.current_stream(device))  # the optimizer may have just written the shard
     with rt.use(stream):
-        staged = shard.dtype != dtype or rt.elsewhere(shard, device)
-        local_flat = shard
+        staged = len(shards) != 1 or shards[0].dtype != dtype or rt.elsewhere(shards[0], device)
         if staged:
-            local_flat = pool.take((shard.numel(),), dtype, device)  # [unit_shard_numel]
-            rt.copy_(local_flat, shard)  # from pinned host memory: overlaps compute on GPUs
+            local_flat = pool.take((sum(s.numel() for s in shards),), dtype, device)  # [unit_shard_numel]
+            offset = 0
+            for shard in shards:  # from pinned host memory: overlaps compute on GPUs
+                rt.copy_(local_flat[offset : offset + shard.numel()], shard)
+                offset += shard.numel()
+        else:
+            local_flat = shards[0]
         sent = (world - 1) * local_flat.numel() * local_flat.element_size()
         if group is None:
             gathered, works = local_flat.new_empty((0, local_flat.numel())), []

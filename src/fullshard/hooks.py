@@ -22,6 +22,12 @@
 # model). Freeing them would only gather them again: one gather per step each saved,
 # for one unit's full parameters held a little longer.
 #
+# Note [forward inside full_params]: inside full_params the modules hold the full master
+# parameters, so a forward there (evaluation, generation a token at a time) runs like the
+# unsharded model: the hooks neither gather, cast nor free, and no collective runs, so
+# ranks need not take part together. With rank0_only the other ranks hold shards only;
+# a forward there raises at once instead of waiting for a gather rank 0 never joins.
+#
 # Note [prefetch]: a unit's gather is issued before it is needed so that it runs while
 # other units compute (the paper's backward and forward prefetch). Forward prefetch
 # follows the order the units ran in during the previous forward (each forward records
@@ -152,6 +158,7 @@ class RootContext:
         self.ahead: list[UnitHooks] = []  # gathered ahead of use, not used yet
         self.reducing: UnitHooks | None = None  # the unit whose reduction is in flight
         self.step = 0  # backward passes finished
+        self.forwards = 0  # forwards started
 
     # ---- prefetch, Note [prefetch] --------------------------------------------------
 
@@ -161,6 +168,28 @@ class RootContext:
         for hooks in self.units:  # a forward without backward left them; the shards may have changed since
             hooks.unit.drop_small()
             hooks.unit.step = self.step + 1
+            hooks.unit.evaluating = not torch.is_grad_enabled()
+
+    def check_first_forward(self, root: Unit) -> None:
+        """Before the first gather: every rank runs this forward, and all with gradients or all
+        without. The usual first mistake, evaluating on rank 0 alone before training, then
+        fails here at once on every rank, instead of after the timeout (one small all-gather
+        per model, once)."""
+        if root.group.shard_pg is None:  # no gathers to mismatch
+            return
+        try:
+            modes = [grad for (grad,) in all_gather_ints([torch.is_grad_enabled()], device=root.compute_device,
+                                                         timeout=root.timeout, group=root.group.shard_pg)]
+        except CollectiveError as e:
+            raise root.failed("check of the first forward", e) from None
+        if len(set(modes)) > 1:
+            seen = "; ".join(f"rank {r}: {'training (with gradients)' if grad else 'without gradients (evaluation)'}"
+                             for r, grad in enumerate(modes))
+            raise fail(f"ranks run their first forward differently ({seen})",
+                       "Every rank must run every forward of a sharded model, since each gathers parameters from "
+                       "all ranks: evaluate on every rank (average the losses with dist.all_reduce), or on rank 0 "
+                       "alone inside `with fullshard.full_params(model, rank0_only=True, writeback=False):`, "
+                       "which every rank enters.")
 
     def record(self, hooks: UnitHooks) -> None:
         if hooks.ahead_of_use:
@@ -212,6 +241,8 @@ class RootContext:
     def queue_final_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
+            for hooks in self.units:
+                hooks.unit.evaluating = False
             Variable._execution_engine.queue_callback(self.final_callback)
 
     def final_callback(self) -> None:
@@ -300,6 +331,7 @@ class UnitHooks:
         self.ahead_of_use = False
         self.forward_targets: list[UnitHooks] | None = None  # explicit prefetch lists
         self.backward_targets: list[UnitHooks] | None = None
+        self.shown: bool | None = None  # inside full_params: whether this rank sees the full parameters
         unit.module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
         unit.module.register_forward_hook(self.post_forward)
 
@@ -321,6 +353,12 @@ class UnitHooks:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.lazy_init()
+        if self.shown is not None:  # Note [forward inside full_params]
+            if not self.shown:
+                raise fail("a forward ran inside full_params(rank0_only=True) on a rank other than 0, which holds "
+                           "only shards and cannot gather them while rank 0 computes alone",
+                           "Run the model only on rank 0 inside that context (e.g. `if rank == 0: evaluate()`).")
+            return args, kwargs
         args, kwargs = cast_floats((args, kwargs), self.unit.config.input_dtype)
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
             self.unit.wait_unshard()
@@ -328,6 +366,9 @@ class UnitHooks:
         if self.is_root:
             ctx.recover()
             ctx.start_forward()
+            if not ctx.forwards:
+                ctx.check_first_forward(self.unit)
+            ctx.forwards += 1
         self.phase = Phase.FORWARD
         ctx.record(self)
         self.unit.unshard()
@@ -347,6 +388,8 @@ class UnitHooks:
         return map_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.shown is not None:
+            return output
         output = cast_floats(output, self.unit.config.output_dtype, output=True)
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
             return output

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from fullshard.api import bit_sums, check_ranks_agree
 from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail
 from fullshard.hooks import units_under
@@ -66,6 +67,8 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
     by_param: dict[nn.Parameter, ShardedParam] = {p.sharded: p for unit in units for p in unit.params}
     done: set[ShardedParam] = set()
     uninitialized: list[str] = []
+    described: list[tuple] = []  # each initialized parameter, and its bit_sums, for check_ranks_agree
+    sums: list[int] = []
     with torch.no_grad():
         for name, module in model.named_modules():
             params = {key: by_param[p] for key, p in module._parameters.items() if p in by_param}
@@ -86,6 +89,10 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
             uninitialized += [f"{name}.{key}" if name else key for key, t in tensors.items() if is_unset(t)]
             if sync:
                 broadcast_from_rank0(list(tensors.values()))
+            else:
+                described += [(f"{name}.{key}" if name else key, tuple(t.shape), str(t.dtype), t.requires_grad)
+                              for key, t in fresh.items()]
+                sums += bit_sums(list(fresh.values()))
             for key, p in params.items():
                 p.write_back(fresh[key])
                 module._parameters[key] = p.sharded
@@ -94,6 +101,8 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
         raise fail(f"initialization left these meta-device tensors unset: {uninitialized}",
                    "Make param_init_fn (or the modules' reset_parameters()) initialize every parameter and "
                    "buffer the module owns directly.")
+    if not sync:
+        check_ranks_agree("the model initialized from the meta device", described, sums, device)
 
 
 def unset(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

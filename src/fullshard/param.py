@@ -2,9 +2,12 @@
 
 # Note [shard layout]: a parameter of d rows is split as torch.chunk splits it (and so
 # as DTensor's Shard(0) places it): every rank stores ceil(d / world) rows, the real rows
-# first and zero padding after, so the last ranks may hold fewer real rows or none. The
-# padded shards of a unit's parameters lie back to back in one flat buffer, so the
-# unit's all-gather input is that buffer as it is. A 0-d parameter cannot be split: it
+# first and zero padding after, so the last ranks may hold fewer real rows or none.
+# Each parameter's padded shard is a tensor of its own, so its DTensor starts at offset
+# 0 of its own storage and behaves like any other tensor for torch.save, safetensors and
+# Hugging Face (which take tensors sharing a storage for tied weights). A gather first
+# copies a unit's shards back to back into one send buffer, the copy that also casts
+# (mixed precision) and moves to the device (CPU offload). A 0-d parameter cannot be split: it
 # takes one slot in every rank's shard, is a Replicate() DTensor, and every rank computes
 # with rank 0's copy.
 #
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.errors import fail
 from fullshard.mesh import ShardGroup
 
 
@@ -112,6 +116,18 @@ class ShardedParam:
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()
+
+    def check_slots(self, full: bool) -> None:
+        """Refuse a parameter that was replaced behind the unit's back (``module.weight =
+        nn.Parameter(...)`` after sharding): the unit would silently undo the change when it
+        next registers its own. `full`: the unit's full parameters should be registered."""
+        mine = self.unsharded if full else self.sharded
+        for module, name in self.slots:
+            if module._parameters.get(name) is not mine:
+                raise fail(f"parameter {self.fqn!r} ({type(module).__name__}.{name}) was replaced after sharding; "
+                           f"fullshard would silently put its own back at the next forward",
+                           "Make such changes before sharding (e.g. crop_block_size or resize_token_embeddings "
+                           "before shard_model), or change values in place inside `with fullshard.full_params(model):`.")
 
     def to_full(self) -> None:
         """Register the full parameter on the modules, mirroring the shard's requires_grad."""

@@ -11,6 +11,7 @@ between streams; here they are no-ops. Note [streams] and Note [host syncs] belo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -40,6 +41,22 @@ log = logging.getLogger("fullshard")
 # gradient for, and the non-finite check. Everything else (collective waits included)
 # is ordered on streams, so the host runs ahead and keeps the GPU fed. Every host wait
 # is bounded (Runtime.sync_event), so a stuck GPU becomes a named error, not a hang.
+
+
+# Note [abandoned collectives]: a collective that timed out may never finish (a peer is
+# stopped, or waits in another collective), and a process group's destructor waits for
+# the collectives in flight: the rank that raised would hang at exit for the group's own
+# timeout (30 minutes by default), and its launcher with it. So once a wait fails, its
+# works and every process group are kept alive for the rest of the process (the job
+# cannot go on with them anyway): nothing waits for them at exit.
+
+
+def abandon(works: list) -> None:
+    """Never destroy these works or any process group (Note [abandoned collectives])."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {})) if world is not None else []
+    for obj in [*works, *groups]:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # a reference no interpreter teardown drops
 
 
 class CollectiveError(RuntimeError):
@@ -187,6 +204,7 @@ class Runtime:
         except CollectiveError:
             raise
         except RuntimeError as e:  # the backends raise RuntimeError subclasses for timeouts and lost peers
+            abandon(works)
             raise CollectiveError(str(e).splitlines()[0]) from e
 
     def marker(self) -> object:

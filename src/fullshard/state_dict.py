@@ -226,6 +226,14 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, opt
     names = param_names(model)
     by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
     sharded = {p.sharded: p for unit in units_of(model, "set_state_dict") for p in unit.params}
+    keys = [*optim_sd.get("state", {}), *(p for g in optim_sd.get("param_groups", []) for p in g.get("params", []))]
+    if any(not isinstance(key, str) for key in keys):
+        raise fail("the optimizer state dict names parameters by position (torch's optimizer.state_dict() "
+                   "layout); fullshard's name them, as the unwrapped model does",
+                   "Pass the dict from fullshard.get_state_dict, or convert yours: with "
+                   "names = [n for n, _ in model.named_parameters()] (the order the optimizer was built in), "
+                   "{'state': {names[i]: s for i, s in sd['state'].items()}, 'param_groups': [{**g, 'params': "
+                   "[names[i] for i in g['params']]} for g in sd['param_groups']]}.")
     unknown = sorted(set(optim_sd.get("state", {})) - set(by_name))
     groups = optim_sd.get("param_groups", [])
     if unknown or len(groups) != len(optimizer.param_groups) or \

@@ -141,7 +141,10 @@ def full_params(
     """Make the model's parameters plain full tensors inside the context.
 
     They are gathered unit by unit in the master dtype (whatever the mixed precision
-    policy), as new tensors: training state is untouched.
+    policy), as new tensors: training state is untouched. A forward inside runs on them
+    like the unsharded model, with no communication (Note [forward inside full_params]):
+    the fast path for evaluation and generation, at the memory of the full model on
+    every rank that sees it. Gradients computed inside are not kept.
 
     Args:
         model: a sharded model, between training steps (every rank must call this).
@@ -173,9 +176,13 @@ def full_params(
                 for module, name in p.slots:
                     module._parameters[name] = full
         shown.append(fulls if visible else [])
+    for unit in units:
+        unit_hooks(unit.module).shown = visible
     try:
         yield
     finally:
+        for unit in units:
+            unit_hooks(unit.module).shown = None
         for unit, fulls in zip(units, shown):
             for p, full in zip(unit.params, fulls):
                 if writeback:

@@ -92,6 +92,7 @@ class Unit:
         self.step = 0  # the root's step count, for messages
         self.timeout = timedelta(seconds=300)  # Note [named hangs]
         self.debug = False  # check before each collective that every rank runs the same one
+        self.evaluating = False  # in a forward without gradients (hooks set it), for the debug checks
         self.nonfinite: str | None = None  # None, "raise" or "skip": what a non-finite reduced gradient does
         self.finite: torch.Tensor | None = None  # 0-d bool on the device: every reduced gradient so far was finite
         self.unlanded: list[tuple[list[ShardedParam], torch.Tensor, torch.Tensor]] = []  # Note [landing]
@@ -130,20 +131,20 @@ class Unit:
         meta = self.compute_device.type == "meta"
         shard_device = torch.device("cpu") if config.offload and not meta else self.compute_device
         pin = config.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
-        self.local_flat = torch.zeros(sum(self.shard_numels), dtype=self.master_dtype, device=shard_device,
-                                      pin_memory=pin)  # [unit_shard_numel]
+        self.shards = [torch.zeros(numel, dtype=self.master_dtype, device=shard_device, pin_memory=pin)
+                       for numel in self.shard_numels]  # each [shard_numel], Note [shard layout]
         # Note [stable full params]: one storage for every full parameter of the unit;
         # none when they can be the shards themselves (one rank, same dtype, same memory:
         # a CPU-offloaded shard is host memory, which a GPU does not compute with)
         same = (group.shard_pg is None and self.compute_dtype == self.master_dtype
                 and not runtime.active.separate_memory(shard_device, self.compute_device, offloaded=config.offload))
-        self.full_flat = None if same else torch.empty(group.world * self.local_flat.numel(), dtype=self.compute_dtype,
+        self.full_flat = None if same else torch.empty(group.world * sum(self.shard_numels), dtype=self.compute_dtype,
                                                        device=self.compute_device)  # per-parameter blocks
         self.full_bytes = 0 if same else self.full_flat.untyped_storage().nbytes()
         segments, offset = [], 0
-        for numel in self.shard_numels:
+        for shard, numel in zip(self.shards, self.shard_numels):
             full = None if same else self.full_flat[group.world * offset : group.world * (offset + numel)]
-            segments.append((self.local_flat[offset : offset + numel], full))
+            segments.append((shard, full))
             offset += numel
         return segments
 
@@ -170,7 +171,7 @@ class Unit:
         if self.debug:
             self.check_agreement(0)
         self.gathering_small = self.small is not None
-        source, group = (self.small, self.small_group) if self.gathering_small else (self.local_flat, self.group.shard_pg)
+        source, group = ([self.small], self.small_group) if self.gathering_small else (self.shards, self.group.shard_pg)
         with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
             runtime.active.allocated(self.full_flat)
@@ -182,6 +183,8 @@ class Unit:
 
     def wait_unshard(self) -> None:
         """Finish the gather and register the full parameters on the modules."""
+        for p in self.params:
+            p.check_slots(full=self.state is ShardState.FULL)
         if self.state is ShardState.FULL:
             return
         if self.full_flat is not None:
@@ -191,7 +194,7 @@ class Unit:
                 self.finish_gather()
             self.stats.wait_s += time.perf_counter() - start
             runtime.active.reads(self.full_flat)  # forward and backward compute with it
-            if self.compute_dtype == self.local_flat.dtype:
+            if self.compute_dtype == self.master_dtype:
                 with torch.no_grad():
                     for p in self.params:
                         if p.replicated:  # keep every rank's copy equal to the one used, Note [shard layout]
@@ -224,14 +227,17 @@ class Unit:
         return fail(
             what,
             "Every rank must run the same units in the same order: another rank skipped this unit, took another "
-            "branch, or died (model.set_debug_checks(True) names where ranks part). The process group cannot go on; "
-            "restart the job (fullshard train --max-restarts N resumes from the last checkpoint).",
+            "branch, or died (model.set_debug_checks(True) names where ranks part). Evaluating on rank 0 alone "
+            "does this: run every forward on every rank, or evaluate inside `with fullshard.full_params(model, "
+            "rank0_only=True, writeback=False):` (entered by every rank), where rank 0 computes without "
+            "communicating. The process group cannot go on; restart the job (fullshard train --max-restarts N "
+            "resumes from the last checkpoint).",
         )
 
     def check_agreement(self, kind: int, mask: int = 0) -> None:
         """Debug checks: every rank is about to run the same collective (0: all-gather, 1: reduce-scatter,
         with `mask` a hash of which parameters have gradients) of the same unit at the same step."""
-        mine = [self.index, kind, self.step, mask]
+        mine = [self.index, kind, self.step, mask, self.evaluating]
         try:
             everyone = all_gather_ints(mine, device=self.compute_device, timeout=self.timeout)
         except CollectiveError as e:
@@ -239,7 +245,8 @@ class Unit:
         if any(theirs != mine for theirs in everyone):
             what = ["all-gather", "reduce-scatter"]
             seen = "; ".join(f"rank {r}: {what[k]} of {self.names[i]!r} at step {s}" +
-                             (f" (gradient mask {m:#x})" if k else "") for r, (i, k, s, m) in enumerate(everyone))
+                             (f" (gradient mask {m:#x})" if k else "") + (" in a forward without gradients" if e else "")
+                             for r, (i, k, s, m, e) in enumerate(everyone))
             raise fail(f"ranks disagree on the next collective ({seen})",
                        "Every rank must run the same units in the same order and compute gradients for the same "
                        "parameters while debug checks are on; make the model's control flow the same on every rank.")
@@ -287,11 +294,11 @@ class Unit:
     def gather_masters(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, gathered into new tensors on the compute
         device (to read or edit whole weights; the unit's own state does not change)."""
-        fulls = [torch.empty(p.padded_shape, dtype=self.local_flat.dtype, device=self.compute_device)
+        fulls = [torch.empty(p.padded_shape, dtype=self.master_dtype, device=self.compute_device)
                  for p in self.params]
         for full in fulls:
             runtime.active.allocated(full)
-        pending = gather_full(self.local_flat, group=self.group.shard_pg, dtype=self.local_flat.dtype,
+        pending = gather_full(self.shards, group=self.group.shard_pg, dtype=self.master_dtype,
                               device=self.compute_device, pool=self.pool,
                               caller=self.caller(0, "all-gather (of full parameters)"))
         try:
@@ -423,7 +430,7 @@ class Unit:
         grad_params = [p for p in self.params if p.sharded.requires_grad]
         for p in grad_params:  # every replica sends the same layout; a missing gradient is zero
             if p.sharded.grad is None:
-                p.accumulate_grad(torch.zeros(p.local_shape, dtype=p.sharded.dtype, device=self.local_flat.device))
+                p.accumulate_grad(torch.zeros(p.local_shape, dtype=p.sharded.dtype, device=p.local_shard().device))
         grads = [p.sharded.grad.to_local() for p in grad_params]
         moved = [runtime.active.to_device(g, self.compute_device) for g in grads]  # offload: NCCL reads device memory
         try:
