@@ -54,7 +54,7 @@ def finish(run: subprocess.Popen) -> str:
 
 
 def kill_all(pid: int) -> None:
-    """SIGKILL a process and every process below it (torch's launcher gives ranks their own sessions)."""
+    """SIGKILL a process and every process below it (a launcher gives its ranks sessions of their own)."""
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

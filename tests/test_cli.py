@@ -1,14 +1,18 @@
-"""`fullshard train` end to end: tiny runs at 1 and 2 ranks, outputs, errors. Resuming after
-a kill is in test_reliability.py, which shares the 2-rank run (tests/runs.py)."""
+"""`fullshard train` end to end: tiny runs at 1 and 2 ranks, outputs, errors, and the launcher
+of local runs. Resuming after a kill is in test_reliability.py, which shares the 2-rank run
+(tests/runs.py)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from fullshard import cli
+from fullshard import cli, launcher
 from tests.runs import STRAIGHT, finish, fullshard, metrics
 
 
@@ -51,8 +55,21 @@ def exit_status(args: list[str]) -> int:
     (["train", "--steps", "many"], "invalid int value"),
     (["train", "--global-batch", "3"], "must divide into 2 ranks"),
     (["launch"], "invalid choice"),
+    (["train", "--eval-interval", "0"], "--eval-interval must be at least 1, got 0"),
+    (["train", "--n-layer", "0"], "--n-layer must be at least 1, got 0"),
+    (["train", "--n-layer", "-1"], "--n-layer must be at least 1, got -1"),
+    (["train", "--timeout", "inf"], "--timeout must be a finite number"),
+    (["train", "--preset", "tiny", "--n-head", "3"], "--n-head 3 must divide the width (--n-embd 64)"),
+    (["train", "--lr", "nan"], "--lr must be a finite number"),
+    (["train", "--data", "EMPTY_FILE"], "0 bytes is too little text"),
+    (["train", "--data", "20_BYTE_FILE"], "20 bytes is too little text"),
+    (["train", "--out", "20_BYTE_FILE"], "is a file"),
+    (["train", "--out", "/proc/fullshard/run"], "cannot hold a run"),
 ])
-def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, args, says):
+def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, tmp_path, args, says):
+    for name, text in {"EMPTY_FILE": b"", "20_BYTE_FILE": b"def f(): return 42\n\n"}.items():
+        (tmp_path / name).write_bytes(text)
+    args = [str(tmp_path / arg) if arg.isupper() else arg for arg in args]
     # in this process: arguments that passed every check would fail here, not start a run
     for var in cli.TORCHRUN_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -77,3 +94,56 @@ def test_the_command_exits_with_mains_status_and_no_traceback():
     out, err = run.communicate(timeout=120)  # a torch import: seconds, even on busy cores
     assert run.returncode == 2
     assert out == "" and err.count("\n") == 1 and "unknown --strategy 'zero3'" in err and "Traceback" not in err
+
+
+# ---- the launcher of local runs (fullshard.launcher), with stand-in ranks -------------------
+# Ranks here are small Python programs (no torch import: milliseconds), started by the
+# launcher exactly as it starts `fullshard train`'s ranks.
+
+
+def launch(rank_code: str, nproc: int = 2) -> int:
+    return launcher.launch([sys.executable, "-c", rank_code], nproc, max_restarts=0)
+
+
+def test_the_launcher_exits_with_the_status_a_rank_failed_with(capsys):
+    # 3 is a FullShardError while training, which the rank has said in one line
+    assert launch("import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)") == 3
+    assert capsys.readouterr().err == ""
+    # a rank killed (or crashed): 1, and a line naming it
+    assert launch("import os, signal; os.environ['RANK'] == '1' and os.kill(os.getpid(), signal.SIGKILL)") == 1
+    assert capsys.readouterr().err == "fullshard: error: rank 1 was killed by SIGKILL; its output is above\n"
+
+
+@pytest.fixture
+def no_signal_reaches_pytest():
+    """A stop signal the launcher failed to catch fails the test instead of ending pytest."""
+    def caught(signum, frame):
+        raise AssertionError(f"{signal.Signals(signum).name} reached the test")
+
+    before = {sig: signal.signal(sig, caught) for sig in launcher.STOP_SIGNALS}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_launcher_ends_its_ranks_and_exits_with_128_plus_the_signal(no_signal_reaches_pytest, capsys,
+                                                                              tmp_path, sig):
+    # each rank records its pid and waits; rank 0 then stops the launcher, as Ctrl-C or kill would
+    code = (f"import os, pathlib, signal, time; pathlib.Path({str(tmp_path)!r}, os.environ['RANK']).write_text("
+            f"str(os.getpid())); os.environ['RANK'] == '0' and os.kill(os.getppid(), {int(sig)}); time.sleep(60)")
+    assert launch(code) == 128 + sig
+    err = capsys.readouterr().err
+    assert err == f"fullshard: stopped by {sig.name}; the same command resumes from the newest checkpoint\n"
+    pids = [rank.read_text() for rank in tmp_path.iterdir()]  # rank 1's may be empty: ended mid-write
+    assert (tmp_path / "0").is_file() and not any(Path("/proc", pid).exists() for pid in pids if pid)
+
+
+def test_a_local_run_listens_on_the_loopback_interface_only():
+    # the rank finds every listening TCP socket on the store's port (IPv4 and IPv6)
+    code = ("import os, sys; port = '%04X' % int(os.environ['MASTER_PORT']); "
+            "found = [f.split()[1] for name in ('/proc/net/tcp', '/proc/net/tcp6') if os.path.exists(name) "
+            "for f in open(name).read().splitlines()[1:] "
+            "if f.split()[3] == '0A' and f.split()[1].endswith(':' + port)]; "
+            "sys.exit(0 if found == ['0100007F:' + port] else 4)")
+    assert launch(code, nproc=1) == 0

@@ -9,17 +9,20 @@ import re
 import shutil
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import fullshard
+from fullshard import cli, trainer
 from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.run_log import read_rows
 from tests.models import SEQ, VOCAB, gpt_loss, tiny_gpt, token_batch
 from tests.reference import full_state, global_batches, local_slice, make_optimizer, max_diff, train
-from tests.runs import (RUN_TIMEOUT_S, STRAIGHT, finish, fullshard as fullshard_cli, kill_all, metrics,
-                        wait_for_step)
+from tests.runs import RUN_TIMEOUT_S, STRAIGHT, finish, fullshard as fullshard_cli, metrics, wait_for_step
 from tests.test_errors import raises
 from tests.world import World
 
@@ -41,19 +44,39 @@ def ranks_of(pid: int) -> list[int]:
     return found
 
 
-def test_a_killed_run_and_killed_ranks_resume_like_an_uninterrupted_run(straight_run, tmp_path):
-    """Kill a whole run (launcher and ranks) and run the same command again: it resumes. Kill
-    one of its ranks: the launcher restarts them all, and they resume. The curve is the
-    uninterrupted run's, bit for bit."""
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def test_a_killed_run_and_killed_ranks_resume_like_an_uninterrupted_run(straight_run, tmp_path, monkeypatch, capsys):
+    """Kill a run's launcher: its ranks die with it, and the same command again resumes. While
+    that run lives, a third in the same directory is refused. Kill one of its ranks: the
+    launcher restarts them all, and they resume. The curve is the uninterrupted run's, bit
+    for bit."""
     command = ["train", *STRAIGHT, "--max-restarts", "1", "--out", str(tmp_path)]
     rng = random.Random(1)
     first = fullshard_cli(*command)
     wait_for_step(first, tmp_path, 8)  # step 5's checkpoint is complete: a save ends before the next step
-    assert first.poll() is None, "the run ended before it could be killed"
-    kill_all(first.pid)
+    orphans = ranks_of(first.pid)
+    assert first.poll() is None and orphans, "the run ended before it could be killed"
+    os.kill(first.pid, signal.SIGKILL)  # the launcher alone (Note [orphans] in fullshard/launcher.py)
+    deadline = time.monotonic() + 2  # the kernel kills them at once; an orphan would train on for seconds
+    while any(alive(pid) for pid in orphans) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(alive(pid) for pid in orphans), "ranks outlived their launcher"
     first.communicate(timeout=RUN_TIMEOUT_S)
     again = fullshard_cli(*command)
     wait_for_step(again, tmp_path, 16)  # after step 15's checkpoint, 14 steps before the end
+    # the same command while this run lives: refused in this process before it starts ranks
+    monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail("a second run started in a directory in use"))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the 2 ranks fit, as on the 2-core machine
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is in use by another run (pid {again.pid} on " in err, err
     time.sleep(rng.uniform(0.0, 0.3))  # a random moment: maybe mid-save
     ranks = ranks_of(again.pid)
     assert again.poll() is None and ranks, "the run ended before a rank could be killed"
@@ -66,6 +89,29 @@ def test_a_killed_run_and_killed_ranks_resume_like_an_uninterrupted_run(straight
     assert [r["step"] for r in got] == [r["step"] for r in want]  # every step once, none lost
     assert [r.get("loss") for r in got] == [r.get("loss") for r in want]  # bit for bit, data order included
     assert [r.get("val_loss") for r in got] == [r.get("val_loss") for r in want]
+
+
+def test_a_run_resumes_at_another_world_size_over_a_torn_last_line(straight_run, tmp_path):
+    """Resume a 2-rank run at 1 rank, from a metrics.jsonl whose last line a kill tore: the
+    torn line goes, the step is trained again, and the plot shows both world sizes."""
+    shutil.copytree(straight_run, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "loss.png").unlink()
+    with open(tmp_path / "metrics.jsonl", "a") as log:
+        log.write('{"step": 31, "loss": 2.01')  # rank 0 killed mid-write
+    out = finish(fullshard_cli("train", *STRAIGHT, "--steps", "31", "--out", str(tmp_path), launcher="rank"))
+    assert "resumed from" in out and "at step 30" in out
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [r["step"] for r in metrics(straight_run)] + [31]
+    assert len(rows[-2]["peak_mem_mb"]) == 2 and len(rows[-1]["peak_mem_mb"]) == 1
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_only_a_torn_last_line_of_metrics_is_skipped(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    assert read_rows(log) == [{"step": 1}, {"step": 2}]
+    log.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')  # damaged inside: not a kill's doing
+    assert f"{log}, line 2, is not JSON" in raises(lambda: read_rows(log))
 
 
 # ---- hangs become errors that name the place --------------------------------------------
@@ -113,6 +159,27 @@ def test_a_rank_skipping_a_unit_fails_every_rank_naming_the_unit():
     assert "all-gather of unit 'h.2' at step 2 did not finish" in hang[1]["message"]
     for got in hang:
         assert 3 <= got["seconds"] < 10
+
+
+def stopped_peer_job(timeout_s: float) -> dict:
+    """Rank 1 never reaches the CLI's metrics all-gather (as if stopped by SIGSTOP); rank 0 must
+    fail it within the timeout, naming it."""
+    if dist.get_rank() == 1:
+        return {}
+    start = time.monotonic()
+    message = raises(lambda: trainer.exchange_metrics([1.0, 2.0], step=7, device=torch.device("cpu"),
+                                                      timeout=timedelta(seconds=timeout_s)))
+    return {"message": message, "seconds": time.monotonic() - start}
+
+
+def test_a_stopped_rank_fails_the_clis_own_collectives_naming_them():
+    world = World(2, forked=True)  # a new world: the job leaves its process group unusable
+    try:
+        got = world.run(stopped_peer_job, timeout_s=1.0)[0]
+    finally:
+        world.kill()
+    assert "rank 0: the all-gather of step 7's metrics did not finish" in got["message"]
+    assert 1 <= got["seconds"] < 10
 
 
 # ---- silent-wrong-result guards ---------------------------------------------------------
@@ -226,7 +293,7 @@ def corrupt_job(root: str) -> dict:
 
 def test_corrupted_and_malicious_checkpoints_are_refused(world2, tmp_path):
     for got in world2.run(corrupt_job, root=str(tmp_path)):
-        assert "could not be read" in got["truncated"]
+        assert "is damaged" in got["truncated"] and "nothing was loaded" in got["truncated"]
         assert "could not be read" in got["evil"] and "system has no place in checkpoint metadata" in got["evil"]
         assert not got["ran code"] and got["good still loads"]
 

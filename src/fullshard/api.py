@@ -13,12 +13,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fullshard import runtime
-from fullshard.collectives import all_gather_ints, all_gather_objects
+from fullshard.collectives import all_gather_ints, all_gather_json
 
 from fullshard.errors import fail
 from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, unit_hooks, units_under
 from fullshard.mesh import shard_group
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.runtime import CollectiveError
 from fullshard.unit import OwnedParam, Unit, UnitConfig, unit_of
 
 # Original parameter -> description of the unit that took it. A parameter registered in
@@ -327,12 +328,22 @@ def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device
     """Refuse, on every rank, ranks that would shard different parameters: `described` holds
     each parameter's (name, shape, dtype, requires_grad), `sums` its bit_sums. Ranks that
     differ would silently mix rows of different models. One small all-gather when they agree."""
-    digest = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(sums).encode())]
     if torch.distributed.get_world_size() == 1:
         return
+    try:
+        compare_ranks(what, described, sums, device)
+    except CollectiveError as e:
+        raise fail(f"rank {torch.distributed.get_rank()}: comparing {what} across ranks did not finish ({e})",
+                   "Every rank must shard the same model at the same time; another rank did not, or died.") from None
+
+
+def compare_ranks(what: str, described: list[tuple], sums: list[int], device: torch.device) -> None:
+    """check_ranks_agree without the deadline's message."""
+    digest = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(sums).encode())]
     digests = all_gather_ints(digest, device=device, timeout=timedelta(seconds=300))
     if len({structure for structure, _ in digests}) > 1:
-        everyone = all_gather_objects(described)
+        everyone = [[tuple(d[:1]) + (tuple(d[1]),) + tuple(d[2:]) for d in theirs]  # JSON made tuples lists
+                    for theirs in all_gather_json(described, device=device, timeout=timedelta(seconds=300))]
         differ = [f"rank {r}: {sorted(set(theirs) ^ set(described))}" for r, theirs in enumerate(everyone)
                   if theirs != described]
         raise fail(f"ranks would shard different parameters in {what} ((name, shape, dtype, requires_grad) "

@@ -19,6 +19,7 @@ pending object at once) and a wait.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -76,11 +77,13 @@ def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, t
     return rt.read_on_host(out.view(-1, mine.numel()), timeout=timeout, what="an all-gather of integers")
 
 
-def all_gather_objects(obj: object) -> list[object]:
-    """Every rank's `obj` (small, picklable, our own), rank by rank."""
-    out: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+def all_gather_json(obj: object, *, device: torch.device, timeout: timedelta) -> list[object]:
+    """Every rank's `obj` (small, JSON-serializable), rank by rank, as JSON: nothing another
+    process sends is unpickled. Two all-gathers of integers (lengths, then bytes)."""
+    mine = json.dumps(obj).encode()
+    longest = max(n for (n,) in all_gather_ints([len(mine)], device=device, timeout=timeout))
+    everyone = all_gather_ints([*mine, *b"\0" * (longest - len(mine))], device=device, timeout=timeout)
+    return [json.loads(bytes(row).rstrip(b"\0")) for row in everyone]
 
 
 def all_reduce_(tensor: torch.Tensor, op: str, *, timeout: timedelta, what: str) -> None:
@@ -93,26 +96,25 @@ def all_reduce_(tensor: torch.Tensor, op: str, *, timeout: timedelta, what: str)
     wait_all(works, Caller(0, timeout, what), on_device=tensor.device.type == "cuda")
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor], *, device: torch.device | None = None) -> None:
+def broadcast_from_rank0(tensors: list[torch.Tensor], *, device: torch.device | None = None,
+                         timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Rank 0's values of `tensors` on every rank, sent from `device`'s memory (tensors
-    elsewhere, e.g. a model built on the CPU for GPUs, go there and back); None: as they are."""
+    elsewhere, e.g. a model built on the CPU for GPUs, go there and back); None: as they are.
+    Raises CollectiveError when one does not arrive within `timeout`."""
     rt = runtime.active
     for t in tensors:
         sent = t if device is None else rt.to_device(t, device)
-        dist.broadcast(sent, src=0)
+        works = rt.launched([dist.broadcast(sent, src=0, async_op=True)], reads=[sent], writes=[sent])
+        wait_all(works, Caller(0, timeout, "a broadcast from rank 0"), on_device=sent.device.type == "cuda")
         if sent is not t:
             t.copy_(sent)
 
 
-def broadcast_object(obj: object) -> object:
-    """Rank 0's `obj` (small, picklable, our own) on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def barrier(timeout: timedelta, what: str) -> None:
+    """Every rank gets here, within `timeout` (a CollectiveError naming `what` otherwise)."""
+    wait_all(runtime.active.launched([dist.barrier(async_op=True)], reads=[], writes=[]), Caller(0, timeout, what),
+             on_device=False)
 
-
-def barrier() -> None:
-    dist.barrier()
 
 
 # Note [averaging]: fp16 rows are divided by dp_size before the sum, whose fp16 range

@@ -296,10 +296,10 @@ class RootContext:
             raise unit.failed("non-finite check", e) from None
         if not everyone:
             return
+        for hooks in self.units:  # skipped, or cleared before raising: a caller that catches the error and
+            for p in hooks.unit.params:  # steps anyway must not write inf/NaN into the parameters
+                p.sharded.grad = None
         if self.units[min(everyone)].unit.nonfinite == "skip":
-            for hooks in self.units:
-                for p in hooks.unit.params:
-                    p.sharded.grad = None
             self.stats.skipped_steps += 1
             return
         raise fail(f"the gradient of unit {unit.names[min(everyone)]!r} at step {self.step} is not finite (inf or "

@@ -6,6 +6,7 @@ import atexit
 import gc
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,22 @@ class ShardGroup:
 
 
 _subgroups: dict[tuple[tuple[int, ...], ...], dict[int, dist.ProcessGroup]] = {}
+_timed_groups: dict[timedelta, dist.ProcessGroup] = {}
+
+
+def timed_group(timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group of every rank whose collectives give up after `timeout`, for the
+    collectives of code we call but do not write (torch.distributed.checkpoint's): made
+    once per timeout, by every rank (creating it is itself collective)."""
+    if timeout not in _timed_groups:
+        try:
+            _timed_groups[timeout] = dist.new_group(backend="gloo", timeout=timeout)
+        except RuntimeError as e:  # the store's wait for the other ranks timed out
+            raise fail(f"rank {dist.get_rank()}: creating a process group did not finish within "
+                       f"{timeout.total_seconds():g} s ({str(e).splitlines()[0]})",
+                       "Every rank must make the same call (a save, load or state dict); another rank did not, "
+                       "or died. Restart the job.") from None
+    return _timed_groups[timeout]
 
 
 def _release_groups() -> None:
@@ -53,6 +70,7 @@ def _release_groups() -> None:
     # of 90 with this). Collecting at exit, before the shutdown, frees them first.
     """
     _subgroups.clear()
+    _timed_groups.clear()
     gc.collect()
 
 

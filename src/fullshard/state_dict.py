@@ -5,11 +5,18 @@
 # tensors (optimizer state in torch's name-keyed layout, so PyTorch's own FSDP loads it
 # with dcp.load), fullshard.json (step, extra) and, written last, COMPLETE. Then rank 0
 # atomically replaces path/LATEST, a one-line file naming the version. A crash at any
-# point leaves LATEST naming a complete version; older versions are removed after the
-# switch. load(path) reads the version LATEST names, or a plain DCP directory (e.g.
-# written by PyTorch's FSDP). Nothing in a checkpoint can run code: DCP's metadata is
-# unpickled allowing only DCP's own metadata classes, tensors and non-tensor items
-# (optimizer hyperparameters) with torch.load(weights_only=True).
+# point leaves LATEST naming a complete version; every other version is removed after
+# the switch. fullshard.json also lists the CRC-32 and size of every data file. load(path)
+# reads the version LATEST names, or a plain DCP directory (e.g. written by PyTorch's
+# FSDP). Nothing in a checkpoint can run code: DCP's metadata is unpickled admitting only
+# DCP's own classes (Note [metadata unpickling]), non-tensor items (optimizer
+# hyperparameters) with torch.load(weights_only=True).
+#
+# Note [failed load]: a load that fails changes nothing. Before reading, every rank
+# checks the files the metadata names (present, long enough) and, for fullshard's own
+# checkpoints, their checksums (each rank a share of the files), and all ranks agree.
+# Then DCP reads into new buffers, which its own collective makes all-or-nothing across
+# ranks; only then are the optimizer's state and the model's shards replaced.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import pickle
 import secrets
 import shutil
 import struct
+import zlib
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,15 +38,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from fullshard import runtime
-from fullshard.collectives import barrier, broadcast_object
+from fullshard.collectives import all_gather_ints, barrier
 from fullshard.errors import fail, require
 from fullshard.hooks import units_under
-from fullshard.mesh import compute_device
+from fullshard.mesh import compute_device, timed_group
 from fullshard.param import ShardedParam
+from fullshard.runtime import CollectiveError
+from fullshard.unit import Unit
 from fullshard.training import units_of
 
 Entry = ShardedParam | tuple[nn.Module, str]
@@ -129,6 +140,16 @@ def full_value(value: DTensor, device: torch.device) -> torch.Tensor:
     return value.full_tensor()
 
 
+def full_state_value(value: DTensor, unit: Unit, param: ShardedParam, what: str) -> torch.Tensor:
+    """A DTensor laid out as `param` (its optimizer state), gathered whole by its unit."""
+    local = value.to_local()
+    if param.replicated:
+        return local
+    padded = torch.zeros(param.shard_numel, dtype=local.dtype, device=local.device)
+    padded[: local.numel()].copy_(local.reshape(-1))
+    return unit.gather_values([param], [padded], what)[0]
+
+
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool, cpu_offload: bool,
                     keep: bool) -> dict[str, Any]:
     """{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}]}; full gathers every
@@ -136,14 +157,14 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *
     if optimizer is None:
         return {}
     names = param_names(model)
-    device = units_of(model, "get_state_dict")[0].compute_device
+    owners = {p.sharded: (unit, p) for unit in units_of(model, "get_state_dict") for p in unit.params}
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             values = {}
             for key, value in optimizer.state.get(param, {}).items():
                 if full and isinstance(value, DTensor):
-                    value = full_value(value, device)
+                    value = full_state_value(value, *owners[param], f"optimizer state {names[param]}.{key}")
                 if isinstance(value, torch.Tensor) and full and keep:
                     value = value.cpu() if cpu_offload else value.clone()
                 values[key] = value
@@ -341,18 +362,29 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-# What DCP's metadata pickle may name, and nothing else (Note [checkpoint layout]).
-METADATA_GLOBALS = {("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
-                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout")}
+# Note [metadata unpickling]: DCP's .metadata is a pickle; a plain DCP directory (e.g. one
+# written by PyTorch's FSDP) has nothing else, so load must read it. Its unpickler admits
+# exactly these (module, name) pairs, the classes and helpers DCP's metadata is made of,
+# and nothing else: no other name of those modules (they import os, sys, ...), no dotted
+# name (protocol 4 would look "os.system" up in an admitted module), no builtins. Each
+# admitted callable only builds a plain value (a dataclass, a path, a size, a dtype).
+METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)),
+}
 
 
 class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if ((module, name) in METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata"
-                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} has no place in checkpoint metadata")
+        if (module, name) not in METADATA_GLOBALS:  # Note [metadata unpickling]
+            raise pickle.UnpicklingError(f"{module}.{name} has no place in checkpoint metadata")
+        return super().find_class(module, name)
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -423,24 +455,63 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                    "pickle arbitrary objects.") from None
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
-    version = path / broadcast_object(f"v-{secrets.token_hex(6)}")  # rank 0's name
+    timeout = units_of(model, "save")[0].timeout
+    try:  # rank 0's name
+        token = all_gather_ints([secrets.randbits(48)], device=torch.device("cpu"), timeout=timeout,
+                                group=timed_group(timeout))[0][0]
+    except CollectiveError as e:
+        raise fail(f"rank {dist.get_rank()}: the start of the save to {path} did not finish ({e})",
+                   "Every rank must call save; another rank did not, or died. Restart the job.") from None
+    version = path / f"v-{token:012x}"
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         for stale in path.glob("v-*"):  # versions of saves that never finished
             if not (stale / COMPLETE).is_file():
                 shutil.rmtree(stale, ignore_errors=True)
-    barrier()
+    checkpoint_barrier(timeout, f"save to {version}")
     state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(version))
-    barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(version), process_group=timed_group(timeout))
+    checkpoint_barrier(timeout, f"save to {version}")
+    files = file_checksums(version, timeout)
     if dist.get_rank() == 0:
-        write_durably(version / META, meta)
+        write_durably(version / META, json.dumps({**json.loads(meta), "files": files}))
         write_durably(version / COMPLETE, "")
-        previous = (path / LATEST).read_text().strip() if (path / LATEST).is_file() else None
         write_durably(path / LATEST, version.name)  # the switch: atomic
-        if previous and previous != version.name:
-            shutil.rmtree(path / previous, ignore_errors=True)
-    barrier()
+        for old in path.glob("v-*"):  # the previous version, and any a kill left between switch and removal
+            if old.name != version.name:
+                shutil.rmtree(old, ignore_errors=True)
+    checkpoint_barrier(timeout, f"save to {version}")
+
+
+def checkpoint_barrier(timeout: timedelta, what: str) -> None:
+    try:
+        barrier(timeout, f"the barrier of the {what}")
+    except CollectiveError as e:
+        raise fail(f"rank {dist.get_rank()}: {e}", "Every rank must call it; another rank did not, or died. "
+                   "Restart the job (fullshard train --max-restarts N resumes from the last checkpoint).") from None
+
+
+def file_checksums(directory: Path, timeout: timedelta) -> dict[str, list[int]]:
+    """{data file: [CRC-32, size]} of a DCP directory; each rank reads a share of the files."""
+    names = sorted(f.name for f in directory.glob("*.distcp"))
+    mine = [0, 0] * len(names)
+    for i in range(dist.get_rank(), len(names), dist.get_world_size()):
+        mine[2 * i : 2 * i + 2] = [crc32_of(directory / names[i]), (directory / names[i]).stat().st_size]
+    try:
+        everyone = all_gather_ints(mine, device=torch.device("cpu"), timeout=timeout, group=timed_group(timeout))
+    except CollectiveError as e:
+        raise fail(f"rank {dist.get_rank()}: the checksums of {directory} did not finish ({e})",
+                   "Every rank must call save; restart the job.") from None
+    return {name: [sum(r[2 * i] for r in everyone), sum(r[2 * i + 1] for r in everyone)]
+            for i, name in enumerate(names)}
+
+
+def crc32_of(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def write_durably(path: Path, text: str) -> None:
@@ -456,23 +527,6 @@ def write_durably(path: Path, text: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (for DCP to load into) by a step with zero
-    gradients and zero learning rate, which leaves the parameters unchanged."""
-    if optimizer.state:
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -496,32 +550,108 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     directory = checkpoint_dir(path)
     reader = SafeReader(directory)
     try:
-        saved = reader.read_metadata().state_dict_metadata
+        metadata = reader.read_metadata()
+        saved = metadata.state_dict_metadata
         meta_file = directory / META
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-    except (OSError, EOFError, ValueError, AttributeError, pickle.UnpicklingError) as e:
+        needed = bytes_needed(metadata)
+    except (OSError, EOFError, ValueError, AttributeError, TypeError, pickle.UnpicklingError) as e:
         raise unreadable(directory, e) from None
     shapes = {k[len("model."):]: getattr(v, "size", ()) for k, v in saved.items() if k.startswith("model.")}
     entries = state_entries(model)
     check_names_and_shapes(entries, shapes, "checkpoint")
+    timeout = units_of(model, "load")[0].timeout
+    check_files(directory, needed, meta.get("files", {}), timeout)
     reshard_all(model)
-    model_sd = {name: value_of(entry) for name, entry in entries.items() if name in shapes}
+    fresh: dict[int, torch.Tensor] = {}  # Note [failed load]: DCP reads into these, one per tied entry
+    model_sd = {name: fresh.setdefault(id(entry), new_like(value_of(entry)))
+                for name, entry in entries.items() if name in shapes}
     state: dict[str, Any] = {"model": model_sd}
     with_optimizer = optimizer is not None and any(k.startswith("optim.state.") for k in saved)
     if with_optimizer:
-        init_optimizer_state(optimizer)
-        optim_sd = optimizer_state(model, optimizer, full=False, cpu_offload=False, keep=True)
-        optim_sd["state"] = {name: {k: v for k, v in values.items() if f"optim.state.{name}.{k}" in saved}
-                             for name, values in optim_sd["state"].items()
-                             if any(key.startswith(f"optim.state.{name}.") for key in saved)}
-        state["optim"] = optim_sd
+        state["optim"] = optimizer_template(model, optimizer, saved)
     try:
-        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), process_group=timed_group(timeout))
     except (Exception, CheckpointException) as e:  # DCP gathers every rank's read failure, raised on all
         raise unreadable(directory, e) from None
     if with_optimizer:
-        load_optimizer_state(model, optimizer, state["optim"])
+        load_optimizer_state(model, optimizer, state["optim"])  # checks it fits, then replaces it at once
+    load_model_state(model, model_sd)
     return {"step": meta.get("step"), "extra": meta.get("extra")}
+
+
+def bytes_needed(metadata: Metadata) -> dict[str, int]:
+    """{data file: how many of its bytes the metadata reads}."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    return needed
+
+
+def check_files(directory: Path, needed: Mapping[str, int], listed: Mapping[str, list[int]], timeout: timedelta) -> None:
+    """Note [failed load]: refuse, on every rank and before anything is read, a checkpoint whose
+    data files are missing, shorter than the metadata says, of another size than saved, or
+    (each rank checking a share) whose CRC-32 differs from the one saved."""
+    names = sorted(set(needed) | set(listed))
+    bad = [0] * len(names)  # 1: missing or of the wrong size, 2: checksum
+    for i, name in enumerate(names):
+        file = directory / name
+        size = file.stat().st_size if file.is_file() else -1
+        if size < needed.get(name, 0) or (name in listed and size != listed[name][1]):
+            bad[i] = 1
+        elif name in listed and i % dist.get_world_size() == dist.get_rank() and crc32_of(file) != listed[name][0]:
+            bad[i] = 2
+    try:
+        everyone = all_gather_ints(bad, device=torch.device("cpu"), timeout=timeout, group=timed_group(timeout))
+    except CollectiveError as e:
+        raise fail(f"rank {dist.get_rank()}: the check of {directory} did not finish ({e})",
+                   "Every rank must call load; restart the job.") from None
+    problems = [f"{name}: {'missing, truncated or resized' if max(r[i] for r in everyone) == 1 else 'checksum differs'}"
+                for i, name in enumerate(names) if any(r[i] for r in everyone)]
+    if problems:
+        raise fail(f"checkpoint {directory} is damaged ({'; '.join(problems)}); nothing was loaded",
+                   "Load another checkpoint; each save is a directory of its own, so the others are unaffected.")
+
+
+def new_like(value: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor laid out as `value` (a DTensor: on the same mesh, placements and rows)."""
+    if isinstance(value, DTensor):
+        return DTensor.from_local(torch.empty_like(value.to_local()), value.device_mesh, value.placements,
+                                  run_check=False, shape=value.shape, stride=value.stride())
+    return torch.empty_like(value)
+
+
+def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> dict:
+    """New buffers for the optimizer state a checkpoint holds (Note [failed load]), laid out as
+    this optimizer would hold it, read from the checkpoint's metadata: the optimizer itself
+    is not touched."""
+    names = param_names(model)
+    sharded = {p.sharded: p for unit in units_under(model) for p in unit.params}
+    by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
+    state: dict[str, dict[str, Any]] = {}
+    for key, item in saved.items():
+        if not key.startswith("optim.state."):
+            continue
+        name, value_key = key[len("optim.state."):].rsplit(".", 1)
+        param = by_name.get(name)
+        if param is None:
+            raise fail(f"the checkpoint holds optimizer state of {name!r}, which this optimizer does not step",
+                       "Build the optimizer with the same parameter groups as the one that was saved.")
+        state.setdefault(name, {})[value_key] = state_buffer(item, param, sharded.get(param))
+    groups = [{**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"},
+               "params": [names[p] for p in group["params"]]} for group in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def state_buffer(item: Any, param: nn.Parameter, sharded: ShardedParam | None) -> torch.Tensor | None:
+    """A new buffer for one saved optimizer state value: its shard when it has the parameter's
+    shape (as shard_like lays it out), else a plain tensor; None for a non-tensor value."""
+    if not isinstance(item, TensorStorageMetadata):
+        return None
+    size, dtype = tuple(item.size), item.properties.dtype
+    if sharded is not None and size == tuple(param.shape) and (size or sharded.replicated):
+        return sharded.as_dtensor(torch.empty(sharded.local_shape, dtype=dtype, device=sharded.local_shard().device))
+    return torch.empty(size, dtype=dtype)
 
 
 def export(model: nn.Module, path: str | os.PathLike) -> None:
@@ -574,7 +704,7 @@ def export(model: nn.Module, path: str | os.PathLike) -> None:
             out.close()
     if rank0:
         os.replace(tmp, path)
-    barrier()
+    checkpoint_barrier(units[0].timeout, f"export to {path}")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -294,18 +294,24 @@ class Unit:
     def gather_masters(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, gathered into new tensors on the compute
         device (to read or edit whole weights; the unit's own state does not change)."""
-        fulls = [torch.empty(p.padded_shape, dtype=self.master_dtype, device=self.compute_device)
-                 for p in self.params]
+        return self.gather_values(self.params, self.shards, "full parameters")
+
+    def gather_values(self, params: list[ShardedParam], shards: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """Full tensors of values laid out as these parameters' padded shards (e.g. their
+        optimizer state), gathered into new tensors on the compute device, within the unit's
+        timeout (Note [named hangs])."""
+        dtype = shards[0].dtype
+        fulls = [torch.empty(p.padded_shape, dtype=dtype, device=self.compute_device) for p in params]
         for full in fulls:
             runtime.active.allocated(full)
-        pending = gather_full(self.shards, group=self.group.shard_pg, dtype=self.master_dtype,
-                              device=self.compute_device, pool=self.pool,
-                              caller=self.caller(0, "all-gather (of full parameters)"))
+        caller = self.caller(0, f"all-gather (of {what})")
+        pending = gather_full(shards, group=self.group.shard_pg, dtype=dtype, device=self.compute_device,
+                              pool=self.pool, caller=caller)
         try:
-            finish_gather(pending, fulls, self.shard_numels, self.pool)
+            finish_gather(pending, fulls, [p.shard_numel for p in params], self.pool)
         except CollectiveError as e:
-            raise self.failed("all-gather (of full parameters)", e) from None
-        return [p.unpad(full) for p, full in zip(self.params, fulls)]
+            raise self.failed(f"all-gather (of {what})", e) from None
+        return [p.unpad(full) for p, full in zip(params, fulls)]
 
     # ---- gradients ----------------------------------------------------------------
 

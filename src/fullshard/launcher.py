@@ -1,0 +1,195 @@
+"""Starting, watching and stopping the ranks of `fullshard train` on one machine, and the
+lock that keeps a second run out of a run directory.
+
+Note [local launch]: without torchrun the command is its own launcher. It hosts the
+ranks' TCPStore on a socket it binds to 127.0.0.1 itself (torch's launchers listen on
+every interface, where anyone who reaches the port can write the job's keys) and binds
+gloo to the loopback interface, so nothing of a local run listens beyond this machine.
+It starts one process per rank, each in a session of its own (a Ctrl-C reaches the
+launcher alone, which then ends the ranks), restarts them all when one fails, as often
+as --max-restarts allows (they resume from the newest checkpoint), and ends them when
+it is stopped or killed (Note [orphans]).
+
+Note [exit status]: 0 when every rank ended well; a rank's own status when it failed
+with one (2: bad arguments, 3: a FullShardError while training; the rank printed the
+one-line error); 128 + N when the launcher was stopped by signal N (130 for SIGINT, 143
+for SIGTERM, 129 for SIGHUP); 1 when a rank crashed or was killed, with a line naming it.
+
+Note [orphans]: a rank must not outlive its launcher: an orphan keeps training, writes
+metrics and deletes checkpoint versions under a rerun of the same command. On Linux each
+rank asks the kernel for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG) and then
+checks that the parent is still the launcher (it may have died before the request);
+elsewhere a thread polls the parent's pid.
+
+Note [one run per directory]: two live runs in one --out would interleave metrics.jsonl
+and delete each other's checkpoint versions. The launcher (under torchrun: rank 0)
+holds an exclusive flock on <out>/.lock for its life; the kernel drops it when the
+process ends, however it ends, so a killed run leaves no stale lock. The file names its
+holder (pid, host, start time) for the error of a second run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+from fullshard.errors import FullShardError
+
+LAUNCHER_PID = "FULLSHARD_LAUNCHER_PID"  # set for the ranks: whom they must die with
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+END_GRACE_S = 10  # a rank told to end (SIGTERM) that is still there after this is killed
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def launch(command: list[str], nproc: int, max_restarts: int) -> int:
+    """Run `command` as ranks 0..nproc-1 of one job on this machine (Note [local launch]);
+    its exit status (Note [exit status])."""
+    listener, store = loopback_store()
+    stops: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        for attempt in range(max_restarts + 1):
+            ranks: list[subprocess.Popen] = []
+            try:
+                for rank in range(nproc):
+                    ranks.append(subprocess.Popen(command, env=rank_env(rank, nproc, store.port, attempt),
+                                                  start_new_session=True))
+                failed = wait_for_ranks(ranks, stops)
+            finally:
+                end(ranks)
+            if stops:
+                print(f"fullshard: stopped by {signal.Signals(stops[0]).name}; the same command resumes from the "
+                      f"newest checkpoint", file=sys.stderr, flush=True)
+                return 128 + stops[0]
+            if failed is None:
+                return 0
+            if attempt < max_restarts:
+                print(f"fullshard: {failure(*failed)}; restarting every rank (restart {attempt + 1} of "
+                      f"{max_restarts})", file=sys.stderr, flush=True)
+        rank, status = failed
+        if status in (2, 3):  # the rank said why in one line
+            return status
+        print(f"fullshard: error: {failure(rank, status)}; its output is above", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        listener.close()
+
+
+def loopback_store() -> tuple[socket.socket, object]:
+    """A TCPStore server that listens on 127.0.0.1 only (torch binds every interface when it
+    opens the socket itself, so it is given one bound here), and its listening socket."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.fileno())
+    return listener, store
+
+
+def rank_env(rank: int, nproc: int, port: int, attempt: int) -> dict[str, str]:
+    """A rank's environment: torchrun's variables, with the launcher's store as the agent store;
+    gloo on the loopback interface and the cores shared out, unless the user says otherwise."""
+    defaults = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    return {**defaults, **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            LAUNCHER_PID: str(os.getpid())}
+
+
+def wait_for_ranks(ranks: list[subprocess.Popen], stops: list[int]) -> tuple[int, int] | None:
+    """Wait until every rank ended well (None), one failed ((rank, status)), or a stop signal came."""
+    while not stops:
+        statuses = [rank.poll() for rank in ranks]
+        for rank, status in enumerate(statuses):
+            if status not in (None, 0):
+                return rank, status
+        if all(status == 0 for status in statuses):
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def end(ranks: list[subprocess.Popen]) -> None:
+    """End the ranks still running and whatever they started: SIGTERM, then SIGKILL after END_GRACE_S."""
+    for rank in ranks:
+        signal_session(rank, signal.SIGTERM)
+    deadline = time.monotonic() + END_GRACE_S
+    for rank in ranks:
+        try:
+            rank.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_session(rank, signal.SIGKILL)
+            rank.wait()
+
+
+def signal_session(rank: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the process group a rank leads (its own session: start_new_session)."""
+    try:
+        os.killpg(rank.pid, sig)
+    except ProcessLookupError:  # the rank and all it started have ended
+        pass
+
+
+def failure(rank: int, status: int) -> str:
+    if status < 0:
+        return f"rank {rank} was killed by {signal.Signals(-status).name}"
+    return f"rank {rank} exited with status {status}"
+
+
+def die_with_launcher() -> None:
+    """Note [orphans]: end this rank (SIGKILL) when its parent process ends."""
+    parent = int(os.environ.get(LAUNCHER_PID, os.getppid()))
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+        threading.Thread(target=watch_parent, args=(parent,), daemon=True, name="fullshard-parent-watch").start()
+    if os.getppid() != parent:  # the launcher ended before the request
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_run_dir(out: Path) -> TextIO:
+    """Create the run directory `out` and lock it for this process's life (Note [one run per
+    directory]): the returned file holds the lock. Raises FullShardError naming the run that
+    holds it, or saying why `out` cannot be a run directory."""
+    if out.exists() and not out.is_dir():
+        raise FullShardError(f"--out {out} is a file. Pass a directory (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "a+")
+    except OSError as e:
+        raise FullShardError(f"--out {out} cannot hold a run ({e.strerror}: {e.filename}). Pass a directory you "
+                             f"can write to") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that is starting"
+        lock.close()
+        raise FullShardError(f"--out {out} is in use by another run ({holder}). Wait for it to end, stop it, or pass "
+                             f"another --out") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock

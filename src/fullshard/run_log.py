@@ -1,0 +1,87 @@
+"""What a run leaves in --out besides its checkpoint: metrics.jsonl (a line per step),
+loss.png and the closing summary. Rank 0 alone writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TextIO
+
+from fullshard.errors import FullShardError
+
+
+def read_rows(log: Path) -> list[dict]:
+    """The rows of metrics.jsonl. A last line without its newline is one that a killed run
+    was writing: it is dropped (the step it logged is trained again after a resume). Any
+    other line that is not JSON was damaged by something else, and is an error."""
+    text = log.read_text() if log.is_file() else ""
+    lines = text.splitlines()
+    if text and not text.endswith("\n"):
+        lines.pop()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise FullShardError(f"{log}, line {number}, is not JSON ({e.msg}): the file was damaged. Delete "
+                                 f"that line (or the file: it only records the run) and run the same command "
+                                 f"again") from None
+    return rows
+
+
+def open_log(out: Path, start: int) -> TextIO:
+    """metrics.jsonl, open for appending the steps after `start` (the step resumed from;
+    0: a new run, whose log starts empty). Rows past `start` go: they are trained again."""
+    log = out / "metrics.jsonl"
+    kept = [row for row in read_rows(log) if row["step"] <= start] if start else []
+    log.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    return open(log, "a")
+
+
+def summary(steps: int, rows: list[dict], out: Path) -> str:
+    """The closing table: validation loss, speed, memory and where the outputs are."""
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    trained = [r for r in rows if "loss" in r]
+    tok_s = sorted(r["tokens_per_s"] for r in trained)[len(trained) // 2] if trained else 0.0
+    peak = max((max(r["peak_mem_mb"]) for r in trained), default=0.0)
+    sent = sorted(r["sent_bytes"] for r in trained)[len(trained) // 2] if trained else 0
+    lines = [
+        "| | |", "|---|---|",
+        f"| validation loss | {vals[0]:.4f} -> {vals[-1]:.4f} |" if vals else "| validation loss | - |",
+        f"| training loss (last step) | {trained[-1]['loss']:.4f} |" if trained else "| training loss | - |",
+        f"| steps | {trained[-1]['step'] if trained else 0} of {steps} |",
+        f"| tokens/s (median) | {tok_s:.0f} |",
+        f"| peak memory per rank | {peak:.0f} MB |",
+        f"| sent per step per rank (median) | {sent / 2**20:.1f} MB |",
+        f"| metrics | {out / 'metrics.jsonl'} |",
+        f"| plot | {out / 'loss.png'} |",
+        f"| checkpoint | {out / 'checkpoint'} (resumed by running the same command again) |",
+    ]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Training and validation loss, and each rank's peak memory, over steps. A run resumed
+    at another world size has rows with more or fewer ranks: each rank's curve covers the
+    steps it ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (losses, memory) = plt.subplots(1, 2, figsize=(11, 4))
+    train_rows = [r for r in rows if "loss" in r]
+    losses.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="training", linewidth=0.8)
+    val_rows = [r for r in rows if "val_loss" in r]
+    losses.plot([r["step"] for r in val_rows], [r["val_loss"] for r in val_rows], "o-", label="validation")
+    losses.set(xlabel="step", ylabel="loss (nats per byte)", title="loss")
+    losses.legend()
+    for rank in range(max((len(r["peak_mem_mb"]) for r in train_rows), default=0)):
+        ran = [r for r in train_rows if rank < len(r["peak_mem_mb"])]
+        memory.plot([r["step"] for r in ran], [r["peak_mem_mb"][rank] for r in ran], label=f"rank {rank}")
+    memory.set(xlabel="step", ylabel="MB", title="peak memory per rank")
+    memory.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

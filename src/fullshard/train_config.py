@@ -1,0 +1,189 @@
+"""The options of `fullshard train` (a TrainConfig field per --flag) and their checks.
+
+The checks run in the command's own process before any rank starts, so a bad argument
+ends in one line on stderr and exit status 2 instead of a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+
+from fullshard.corpus import corpus_sizes
+
+# the longest --timeout: far below where timedelta and the backends' millisecond
+# clocks overflow (about 1e13 s), far above any real wait
+MAX_TIMEOUT_S = 1e9
+
+
+def opt(default, help: str, **kwargs):
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class TrainConfig:
+    # model
+    preset: str = opt("small", "model size: tiny, small, 15m or 100m (fullshard.gpt.PRESETS)")
+    n_layer: int | None = opt(None, "override the preset's number of blocks")
+    n_embd: int | None = opt(None, "override the preset's width")
+    n_head: int | None = opt(None, "override the preset's attention heads")
+    # data
+    data: str | None = opt(None, "a text file or a directory of them (default: Python's standard library source)")
+    seq_len: int = opt(128, "tokens (bytes) per sequence")
+    # optimization
+    steps: int = opt(400, "optimizer steps")
+    global_batch: int = opt(16, "sequences per step, over all ranks and accumulation micro-batches")
+    grad_accum: int = opt(1, "micro-batches per step on each rank")
+    lr: float = opt(3e-3, "peak learning rate")
+    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay")
+    warmup: int = opt(40, "linear warm-up steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay (matrices only)")
+    clip: float = opt(1.0, "clip gradients to this global norm (0: off)")
+    # sharding
+    strategy: str = opt("full_shard", "full_shard, shard_grad_op, hybrid_shard or no_shard")
+    wrap: str = opt("block", "units: 'block' (each GPT block), 'none' (one unit) or a parameter count")
+    precision: str = opt("fp32", "fp32, bf16 or fp16 (fp32 masters; fp16 with loss scaling)")
+    cpu_offload: bool = opt(False, "keep shards, gradients and the optimizer step on the CPU")
+    backward_prefetch: str = opt("pre", "pre, post or none")
+    forward_prefetch: bool = opt(True, "gather the next unit before it runs in forward")
+    limit_all_gathers: int = opt(2, "at most this many units gathered ahead of use (0: no limit)")
+    # run
+    nproc: int = opt(0, "ranks to start (0: 1 per GPU, else 2); ignored under torchrun")
+    max_restarts: int = opt(0, "restart all ranks this many times when one fails; they resume from the checkpoint")
+    timeout: float = opt(300.0, "seconds any collective may wait before failing with an error naming it")
+    nonfinite: str = opt("raise", "an inf/NaN gradient: 'raise' (stop, naming the unit and step), 'skip' the step, "
+                                  "'off' (with --precision fp16 the loss scaler decides)")
+    debug_checks: bool = opt(False, "check before every collective that all ranks run the same one (slower)")
+    plan: str = opt("off", "'auto': let fullshard.plan choose wrap, strategy, limit, precision and checkpointing "
+                           "for --memory-budget (overrides those options)")
+    memory_budget: str = opt("", "bytes per rank for --plan auto, e.g. 2GiB or 500MB")
+    oversubscribe: bool = opt(False, "allow more ranks than CPU cores")
+    seed: int = opt(0, "seed for initialization and data order")
+    out: str = opt("runs/gpt", "directory for metrics.jsonl, loss.png and checkpoint/ (one live run at a time)")
+    ckpt_interval: int = opt(200, "save a checkpoint every this many steps (0: only at the end)")
+    resume: bool = opt(True, "continue from the newest complete checkpoint in <out>/checkpoint")
+    eval_interval: int = opt(100, "validation loss every this many steps (and after the last)")
+    eval_batches: int = opt(8, "batches per validation")
+    sample_bytes: int = opt(300, "bytes to generate at the end")
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """A --flag for every TrainConfig field (annotations are strings: "int | None" -> int)."""
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
+        else:
+            convert = {"int": int, "float": float, "str": str}[f.type.split(" | ")[0]]
+            parser.add_argument(flag, dest=f.name, type=convert, default=f.default, help=f.metadata["help"])
+
+
+def fatal(message: str) -> int:
+    """A bad argument: one line on stderr, and the exit status 2 to return."""
+    print(f"fullshard: error: {message}", file=sys.stderr)
+    return 2
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def problem(cfg: TrainConfig) -> str | None:
+    """What is wrong with the configuration, in one line; None when nothing is."""
+    return choice_problem(cfg) or number_problem(cfg) or dims_problem(gpt_dims(cfg)) or data_problem(cfg)
+
+
+def choice_problem(cfg: TrainConfig) -> str | None:
+    """An option that names something unknown."""
+    from fullshard.gpt import PRESETS
+    from fullshard.policy import STRATEGIES
+
+    choices = {"preset": tuple(PRESETS), "strategy": tuple(STRATEGIES), "precision": ("fp32", "bf16", "fp16"),
+               "nonfinite": ("raise", "skip", "off"), "backward_prefetch": ("pre", "post", "none"),
+               "plan": ("off", "auto")}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            return f"unknown {flag(name)} {getattr(cfg, name)!r}; choose one of {', '.join(allowed)}"
+    if cfg.wrap not in ("block", "none") and not cfg.wrap.isdigit():
+        return f"--wrap must be 'block', 'none' or a parameter count, not {cfg.wrap!r}"
+    if cfg.plan == "auto" and parse_bytes(cfg.memory_budget) is None:
+        return f"--plan auto needs --memory-budget as a size like 2GiB or 500MB, got {cfg.memory_budget!r}"
+    return None
+
+
+def number_problem(cfg: TrainConfig) -> str | None:
+    """A number out of its range; NaN and infinity are out of every range."""
+    for name in ("steps", "global_batch", "grad_accum", "seq_len", "eval_batches", "eval_interval"):
+        if getattr(cfg, name) < 1:
+            return f"{flag(name)} must be at least 1, got {getattr(cfg, name)}"
+    for name in ("nproc", "ckpt_interval", "limit_all_gathers", "warmup", "sample_bytes", "max_restarts"):
+        if getattr(cfg, name) < 0:
+            return f"{flag(name)} must not be negative, got {getattr(cfg, name)}"
+    for name in ("lr", "min_lr", "weight_decay", "clip", "timeout"):
+        if not math.isfinite(getattr(cfg, name)):
+            return f"{flag(name)} must be a finite number, got {getattr(cfg, name)}"
+    if not 0 < cfg.timeout <= MAX_TIMEOUT_S:
+        return f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {cfg.timeout}"
+    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.clip < 0 or cfg.weight_decay < 0:
+        return "--lr must be positive; --min-lr, --clip and --weight-decay must not be negative"
+    return None
+
+
+def dims_problem(dims: dict[str, int]) -> str | None:
+    """GPT dimensions that cannot build a model."""
+    for name in ("n_layer", "n_embd", "n_head"):
+        if dims[name] < 1:
+            return f"{flag(name)} must be at least 1, got {dims[name]}"
+    if dims["n_embd"] % dims["n_head"]:
+        return f"--n-head {dims['n_head']} must divide the width (--n-embd {dims['n_embd']}) into equal heads"
+    return None
+
+
+def data_problem(cfg: TrainConfig) -> str | None:
+    """--data that is missing, or too short for one sequence in each of its two parts."""
+    from pathlib import Path
+
+    if cfg.data is not None and not Path(cfg.data).exists():
+        return f"--data {cfg.data}: no such file or directory"
+    train, val = corpus_sizes(cfg.data)
+    if min(train, val) < cfg.seq_len + 2:
+        return (f"--data {cfg.data}: {train + val} bytes is too little text: its training and validation parts "
+                f"({train} and {val} bytes) must each hold a sequence of --seq-len {cfg.seq_len} and one byte more. "
+                f"Pass more text or a smaller --seq-len")
+    return None
+
+
+def nonfinite_policy(cfg: TrainConfig) -> str | None:
+    """What a non-finite reduced gradient does (model.set_nonfinite_grads). Under fp16 the
+    loss scaler's overflow steps are ordinary: fullshard.GradScaler skips them and lowers
+    the scale on every rank; raising would stop training and skipping first would hide
+    the overflow from the scaler, whose scale would then never come down."""
+    if cfg.nonfinite == "off" or cfg.precision == "fp16":
+        return None
+    return cfg.nonfinite
+
+
+def parse_bytes(text: str) -> int | None:
+    """'2GiB', '1.5G', '500MB', '4096' -> bytes; None if it is not a size."""
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 10**3, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20,
+             "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30, "T": 1 << 40, "TB": 10**12, "TIB": 1 << 40}
+    number = text.strip().upper()
+    digits = number.rstrip("KMGTIB")
+    try:
+        value = float(digits)
+    except ValueError:
+        return None
+    unit = number[len(digits):].strip()
+    return int(value * units[unit]) if unit in units and math.isfinite(value) and value > 0 else None
+
+
+def gpt_dims(options: TrainConfig | argparse.Namespace) -> dict[str, int]:
+    """The preset's GPT dimensions, with any of --n-layer, --n-embd, --n-head given instead."""
+    from fullshard.gpt import PRESETS
+
+    given = {k: v for k in ("n_layer", "n_embd", "n_head") if (v := getattr(options, k)) is not None}
+    return {**PRESETS[options.preset], **given}

@@ -1,0 +1,348 @@
+"""One rank of `fullshard train`, top-down: join the job, build the GPT on meta and shard
+it, resume, train, sample, report.
+
+Note [cli deadlines]: every collective this file issues itself (the metrics of each
+step, validation, the sample, the closing barrier) goes through `share`, an all-reduce
+whose wait is bounded by --timeout, and a rank that waits longer fails with a
+FullShardError naming the collective and the step instead of hanging. The process group
+has the same timeout, which bounds what runs inside torch (the rendezvous, checkpoint
+I/O); on NCCL it is a minute longer, as NCCL's watchdog ends the process when it
+passes, and our error naming the collective must come first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+
+import fullshard
+from fullshard import runtime
+from fullshard.collectives import all_reduce_
+from fullshard.corpus import batch_offsets, batch_rows, corpus
+from fullshard.errors import FullShardError
+from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.launcher import LAUNCHER_PID, die_with_launcher, hold_run_dir
+from fullshard.run_log import open_log, plot, read_rows, summary
+from fullshard.runtime import CollectiveError
+from fullshard.train_config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes
+
+NCCL_WATCHDOG_GRACE = timedelta(seconds=60)  # Note [cli deadlines]
+
+
+@dataclass
+class Run:
+    """What every part of a rank's run needs."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: fullshard.GradScaler | None
+    train_data: torch.Tensor  # [training bytes] uint8
+    val_data: torch.Tensor  # [validation bytes] uint8
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.cfg.timeout)
+
+
+def train(cfg: TrainConfig) -> int:
+    """This rank's whole run; its exit status (a FullShardError propagates: status 3)."""
+    # stop quietly: SIGINT, like SIGTERM, ends a rank without a traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    die_with_launcher()
+    out = Path(cfg.out)
+    lock = None
+    if os.environ.get("RANK") == "0" and LAUNCHER_PID not in os.environ:  # under torchrun
+        try:
+            lock = hold_run_dir(out)
+        except FullShardError as e:
+            return fatal(str(e))
+    rank, world, device = join_job(cfg)
+    if cfg.global_batch % (world * cfg.grad_accum):
+        if rank == 0:
+            fatal(f"--global-batch {cfg.global_batch} must divide into {world} ranks x {cfg.grad_accum} micro-batches")
+        dist.destroy_process_group()
+        return 2
+    run, description = build(cfg, rank, world, device)
+    start = resume(run, out / "checkpoint")
+    log = None
+    if rank == 0:
+        print(description, flush=True)
+        log = open_log(out, start)
+    train_loop(run, start, log, out / "checkpoint")
+    text = sample(run)
+    share(torch.zeros(1, device=device), timeout=run.timeout, what="the barrier at the end of the run")
+    dist.destroy_process_group()
+    if log is not None:  # after the last collective: no rank waits while rank 0 plots
+        log.close()
+        report(cfg, out, text)
+    if lock is not None:  # held until here (Note [one run per directory])
+        lock.close()
+    return 0
+
+
+def join_job(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    """Join the process group (rank, world, device): NCCL with one GPU per rank, else gloo on
+    the CPU. Restarted ranks meet under a key prefix of their own attempt: the store outlives
+    an attempt, and a rank must not connect to an address a dead peer left there."""
+    cuda = torch.cuda.is_available()
+    timeout = timedelta(seconds=cfg.timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                store=dist.PrefixStore(f"fullshard/attempt-{attempt}", store),
+                                timeout=timeout + NCCL_WATCHDOG_GRACE if cuda else timeout)
+    except RuntimeError as e:  # torch's store and backend errors: a rank that never came, an unreachable store
+        raise FullShardError(f"rank {os.environ['RANK']}: joining the process group did not finish within --timeout "
+                             f"{cfg.timeout:g} s ({str(e).splitlines()[0]}). Start every rank, or pass a longer "
+                             f"--timeout") from None
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[Run, str]:
+    """The data, and the GPT built on meta and sharded (each block materialized straight into
+    its shards) with its optimizer; and a line describing them."""
+    train_bytes, val_bytes, source = corpus(cfg.data)
+    dims = gpt_dims(cfg)
+    torch.manual_seed(cfg.seed)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
+    n_params = sum(p.numel() for p in model.parameters())
+    setting = shard(model, cfg, world, rank, device)
+    model.set_timeout(cfg.timeout)
+    model.set_debug_checks(cfg.debug_checks)
+    model.set_nonfinite_grads(nonfinite_policy(cfg))
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr)
+    run = Run(cfg, rank, world, device, model, optimizer,
+              scaler=fullshard.GradScaler(device.type) if cfg.precision == "fp16" else None,
+              train_data=torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8),
+              val_data=torch.frombuffer(bytearray(val_bytes), dtype=torch.uint8))
+    description = (f"fullshard {version()}: GPT {cfg.preset} {dims}, {n_params / 1e6:.2f}M parameters, "
+                   f"{world} ranks ({device.type}), {setting}; data: {source}, {len(train_bytes) / 1e6:.1f} MB "
+                   f"train / {len(val_bytes) / 1e6:.1f} MB validation")
+    return run, description
+
+
+def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, device: torch.device) -> str:
+    """Shard `model` as the options say, or as fullshard.plan chooses (--plan auto); how, in words."""
+    if cfg.plan == "auto":
+        plan = fullshard.plan(model, world_size=world, memory_budget=parse_bytes(cfg.memory_budget),
+                              batch=cfg.global_batch // world // cfg.grad_accum, seq=cfg.seq_len,
+                              hardware="a100" if device.type == "cuda" else "cpu")
+        fullshard.apply_plan(model, plan)
+        if rank == 0:
+            print(plan.explain(), flush=True)
+        return f"planned: {plan.chosen.strategy}, {plan.chosen.precision}"
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    fullshard.shard_model(
+        model, wrap={Block} if cfg.wrap == "block" else None if cfg.wrap == "none" else int(cfg.wrap),
+        strategy=cfg.strategy, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=low) if low else None,
+        offload_policy=fullshard.CPUOffloadPolicy() if cfg.cpu_offload else None,
+        backward_prefetch=None if cfg.backward_prefetch == "none" else cfg.backward_prefetch,
+        forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None)
+    return f"{cfg.strategy}, {cfg.precision}"
+
+
+def resume(run: Run, ckpt: Path) -> int:
+    """Load the newest complete checkpoint (--resume); the step to continue from (0: none)."""
+    if not (run.cfg.resume and (ckpt / "LATEST").is_file()):
+        return 0
+    start = fullshard.load(ckpt, run.model, run.optimizer)["step"]
+    if run.rank == 0:
+        print(f"resumed from {fullshard.checkpoint_dir(ckpt)} at step {start}", flush=True)
+    return start
+
+
+def train_loop(run: Run, start: int, log: TextIO | None, ckpt: Path) -> None:
+    """Steps `start` to --steps: a metrics.jsonl row each (rank 0 writes `log`), validation
+    before the first and every --eval-interval steps, a checkpoint every --ckpt-interval."""
+    cfg = run.cfg
+    progress = None
+    if log is not None:
+        from tqdm import tqdm
+
+        progress = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    if start == 0:
+        write_row(log, progress, {"step": 0, "val_loss": evaluate(run)})
+    comm_stats = fullshard.stats(run.model)
+    for step in range(start, cfg.steps):
+        record = train_step(run, step, comm_stats)
+        done = step + 1
+        if done % cfg.eval_interval == 0 or done == cfg.steps:
+            record["val_loss"] = evaluate(run)
+        write_row(log, progress, record)
+        if (cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps:
+            fullshard.save(ckpt, run.model, run.optimizer, step=done,
+                           extra={"preset": cfg.preset, "dims": gpt_dims(cfg)})
+    if progress is not None:
+        progress.close()
+
+
+def train_step(run: Run, step: int, comm_stats) -> dict:
+    """One optimizer step on the global batch of `step`; its metrics row."""
+    cfg, model = run.cfg, run.model
+    begin = time.perf_counter()
+    lr = lr_at(step, cfg)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=run.device)
+    with comm_stats as comm:
+        offsets = batch_offsets(len(run.train_data), step, seed=cfg.seed, seq_len=cfg.seq_len, batch=cfg.global_batch)
+        for micro_offsets in offsets.chunk(cfg.grad_accum):
+            x, y = batch_rows(run.train_data, micro_offsets.chunk(run.world)[run.rank], cfg.seq_len, run.device)
+            loss = model(x, y) / cfg.grad_accum
+            (run.scaler.scale(loss) if run.scaler else loss).backward()
+            loss_sum += loss.detach().float()
+        grad_norm = optimizer_step(run)
+    ranks = exchange_metrics([loss_sum, grad_norm, peak_memory_mb(run.device)], step=step + 1, device=run.device,
+                             timeout=run.timeout)
+    seconds = time.perf_counter() - begin
+    return {"step": step + 1, "loss": sum(r[0] for r in ranks) / run.world, "lr": lr, "grad_norm": ranks[run.rank][1],
+            "tokens_per_s": cfg.global_batch * cfg.seq_len / seconds,
+            "peak_mem_mb": [round(r[2], 1) for r in ranks], "sent_bytes": comm.sent_bytes,
+            "wait_s": round(comm.wait_s, 4)}
+
+
+def optimizer_step(run: Run) -> torch.Tensor:
+    """Clip (--clip; 0: only measure), step and zero the gradients; the global gradient norm."""
+    if run.scaler:
+        run.scaler.unscale_(run.optimizer)
+    grad_norm = fullshard.clip_grad_norm_(run.model, run.cfg.clip if run.cfg.clip else float("inf"))
+    if run.scaler:
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def write_row(log: TextIO | None, progress, record: dict) -> None:
+    """Rank 0: a metrics.jsonl line, written whole and flushed, and the progress bar."""
+    if log is None:
+        return
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+    if "loss" in record:
+        progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             mem_mb="/".join(f"{m:.0f}" for m in record["peak_mem_mb"]))
+        progress.update(1)
+    if "val_loss" in record and record["step"]:
+        progress.write(f"step {record['step']}: validation loss {record['val_loss']:.4f}")
+
+
+def evaluate(run: Run) -> float:
+    """The validation loss: the mean over --eval-batches batches, the same ones every time."""
+    cfg = run.cfg
+    run.model.eval()
+    total = torch.zeros((), device=run.device)
+    with torch.no_grad():
+        for i in range(cfg.eval_batches):
+            offsets = batch_offsets(len(run.val_data), -1 - i, seed=cfg.seed, seq_len=cfg.seq_len,
+                                    batch=cfg.global_batch).chunk(run.world)[run.rank]
+            total += run.model(*batch_rows(run.val_data, offsets, cfg.seq_len, run.device)).float()
+    run.model.train()
+    total_sum = share(total, timeout=run.timeout, what="the all-reduce of the validation loss")
+    return total_sum / (cfg.eval_batches * run.world)
+
+
+def sample(run: Run) -> str:
+    """--sample-bytes bytes generated after "def ": every rank runs the sharded forward; rank 0
+    draws each byte and every rank takes it."""
+    from torch.nn import functional as F
+
+    cfg = run.cfg
+    generated = torch.tensor([list(b"def ")], device=run.device)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    run.model.eval()
+    with torch.no_grad():
+        for i in range(cfg.sample_bytes):
+            logits = run.model(generated[:, -cfg.seq_len:])[:, -1].float()
+            token = torch.multinomial(F.softmax(logits.cpu() / 0.8, dim=-1), 1, generator=generator).to(run.device)
+            if run.rank != 0:
+                token.zero_()
+            share(token, timeout=run.timeout, what=f"the all-reduce of byte {i + 1} of the sample")
+            generated = torch.cat([generated, token], dim=1)
+    return bytes(generated[0].tolist()).decode("utf-8", errors="replace")
+
+
+def report(cfg: TrainConfig, out: Path, text: str) -> None:
+    """Rank 0, at the end: the sample, loss.png and the summary table."""
+    rows = read_rows(out / "metrics.jsonl")
+    print(f"\nsample:\n{text}\n", flush=True)
+    plot(rows, out / "loss.png")
+    print(summary(cfg.steps, rows, out), flush=True)
+
+
+def exchange_metrics(figures: list, *, step: int, device: torch.device, timeout: timedelta) -> list[list[float]]:
+    """Every rank's `figures` (numbers or 0-d tensors), rank by rank, within `timeout`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    table = torch.zeros(world, len(figures), dtype=torch.float64, device=device)  # [world, figures]
+    table[rank] = torch.stack([torch.as_tensor(f, dtype=torch.float64).to(device) for f in figures])
+    return share(table, timeout=timeout, what=f"the all-gather of step {step}'s metrics")
+
+
+def share(tensor: torch.Tensor, *, timeout: timedelta, what: str):
+    """Sum `tensor` over the ranks, in place, and read it on the host (Note [cli deadlines]):
+    a FullShardError naming `what` when that takes longer than `timeout`. An all-gather and a
+    broadcast are this sum over rows that all ranks but one leave at zero."""
+    try:
+        all_reduce_(tensor, "sum", timeout=timeout, what=what)
+        return runtime.active.read_on_host(tensor, timeout=timeout, what=what)
+    except CollectiveError as e:
+        raise FullShardError(f"rank {dist.get_rank()}: {what} did not finish within {timeout.total_seconds():g} s "
+                             f"({e}). Every rank must reach it; another rank is stopped, hung or died. Restart the "
+                             f"job (fullshard train --max-restarts N resumes from the last checkpoint)") from None
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to --min-lr."""
+    import math
+
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This rank's peak memory: the device's allocator peak on GPUs, resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    if Path("/proc/self/status").is_file():
+        from fullshard.stats import process_memory
+
+        return process_memory("VmHWM") / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def version() -> str:
+    """fullshard's installed version, for the banner and --version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fullshard")
+    except PackageNotFoundError:
+        return "unknown"
