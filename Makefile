@@ -5,9 +5,12 @@ PY := $(VENV)/bin/python
 
 .PHONY: train test bench
 
+# pip byte-compiles on one core; compileall does it on all of them (14 s less of the
+# ~60 s set-up on 2 cores). Like pip, it skips the few files this Python cannot compile.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test]'
+	$(PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]'
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
 train: $(VENV)/.installed
