@@ -74,10 +74,8 @@ def worker(preset: str, strategy: str, precision: str, batch: int, wrap: str, ch
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("replicate", "shard"))
-    if checkpointing:
-        fullshard.planner.checkpoint_blocks(model, Block)
     fullshard.shard_model(model, wrap={Block} if wrap == "blocks" else None, strategy=strategy, mp_policy=mp,
-                          forward_prefetch=True, mesh=mesh)
+                          forward_prefetch=True, mesh=mesh, checkpoint={Block} if checkpointing else False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     for step in range(6):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import inspect
 import itertools
 import math
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail, require
@@ -40,7 +38,7 @@ from fullshard.gpt import GPT, GPTConfig
 from fullshard.param import shard_numel
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.stats import process_memory
-from fullshard.wrap import choose_units, shard_model
+from fullshard.wrap import choose_units, recompute, shard_model
 
 
 @dataclass(frozen=True)
@@ -183,17 +181,10 @@ def activation_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype,
 
     probe = copy.deepcopy(model)
     if checkpointing:
-        checkpoint_blocks(probe, block)
+        recompute(probe, (block,))
     usable = device == "cpu" or (device == "cuda" and torch.cuda.is_available())  # else autograd aborts
     with FakeTensorMode():
         return _saved_bytes(probe, batch, seq, dtype, torch.device(device if usable else "cpu"))
-
-
-def checkpoint_blocks(model: nn.Module, block: type) -> None:
-    """Activation checkpointing of every instance of `block`: backward recomputes its forward."""
-    for module in model.modules():
-        if type(module) is block:
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
 
 
 def _saved_bytes(probe: nn.Module, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -506,9 +497,8 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
     """Shard `model` (built like the planned one) as the plan chose: activation checkpointing of
     each block if chosen, then shard_model with its wrap, strategy, limit and precision."""
     c = plan.chosen
-    if c.checkpointing and plan.block is not None:
-        checkpoint_blocks(model, plan.block)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if c.precision == "bf16" else None
     return shard_model(model, wrap={plan.block} if c.wrap == "blocks" else None, strategy=c.strategy,
                        mp_policy=mp, offload_policy=CPUOffloadPolicy() if c.offload else None,
-                       limit_all_gathers=c.limit_all_gathers, forward_prefetch=True)
+                       limit_all_gathers=c.limit_all_gathers, forward_prefetch=True,
+                       checkpoint={plan.block} if c.checkpointing and plan.block is not None else False)

@@ -7,10 +7,11 @@ fully_shard arguments (policy.STRATEGIES), and calls fully_shard bottom-up.
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 from typing import Callable, Iterable
 
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.api import FSDPModule, fully_shard
@@ -39,6 +40,7 @@ def shard_model(
     limit_all_gathers: int | None = 2,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     sync_module_states: bool = False,
+    checkpoint: bool | Iterable[type] = False,
 ) -> nn.Module:
     """Shard a whole model: chosen submodules become units, the root becomes the last unit.
 
@@ -70,6 +72,10 @@ def shard_model(
             module is materialized, initialized and streamed into the shards in turn, so a
             rank never holds more than one module's full parameters beyond its shards.
         sync_module_states: make rank 0's parameters and buffers win (eager or meta).
+        checkpoint: activation checkpointing (non-reentrant): a set of module classes whose
+            every instance recomputes its forward in backward instead of keeping its
+            activations, or ``True`` for the classes of ``wrap``. The recomputation runs on
+            the full parameters the unit's backward gathers, so it adds no gather.
 
     Raises:
         FullShardError: before anything changes, on an unknown strategy or wrap policy,
@@ -102,6 +108,7 @@ def shard_model(
                    "param_init_fn.")
     if meta:
         check_initializable(model, param_init_fn)
+    recomputed = checkpointed_classes(checkpoint, wrap)
     units = choose_units(model, wrap)
     if mesh is None:
         mesh = build_mesh(spec["mesh_dims"])
@@ -117,7 +124,32 @@ def shard_model(
                     offload_policy=offload_policy, _exclude=exclude, _schedule=schedule)
     if meta:
         materialize(model, init_fn=param_init_fn, sync=sync_module_states)
+    recompute(model, recomputed)
     return model
+
+
+def recompute(model: nn.Module, classes: tuple[type, ...]) -> None:
+    """Activation checkpointing (non-reentrant) of every instance of `classes` in `model`:
+    backward recomputes its forward instead of keeping its activations."""
+    for module in model.modules():
+        if isinstance(module, classes):
+            module.forward = functools.partial(torch_checkpoint, module.forward, use_reentrant=False)
+
+
+def checkpointed_classes(checkpoint: bool | Iterable[type], wrap: WrapPolicy) -> tuple[type, ...]:
+    """The module classes `checkpoint` asks to recompute (shard_model's argument), checked."""
+    if checkpoint is False or checkpoint is None:
+        return ()
+    if checkpoint is True:
+        if not isinstance(wrap, (set, frozenset, tuple, list)):
+            raise fail(f"checkpoint=True takes its classes from wrap, which is {wrap!r}, not a set of classes",
+                       "Pass checkpoint={Block} (the classes to recompute), or wrap={Block} with checkpoint=True.")
+        checkpoint = wrap
+    classes = tuple(checkpoint) if isinstance(checkpoint, (set, frozenset, tuple, list)) else None
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise fail(f"checkpoint={checkpoint!r} is not True, False or a set of module classes",
+                   "Pass e.g. checkpoint={Block}, or checkpoint=True with wrap={Block}.")
+    return classes
 
 
 def choose_units(model: nn.Module,
