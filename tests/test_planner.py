@@ -37,18 +37,20 @@ def run_job(preset: str, strategy: str, precision: str, batch: int, plan_budget:
     """Build on meta, shard (as given, or by a plan for `plan_budget`), train 3 steps; the peak
     resident memory above the process before building, and the bytes of the last step."""
     x = torch.randint(0, 256, (batch, 129))
-    open("/proc/self/clear_refs", "w").write("5")
-    before = process_memory("VmRSS")
     torch.manual_seed(0)
     model = meta_gpt(preset)
     world = dist.get_world_size()
+    # planning first: its own memory (tracing the model on fake tensors) is not the step's
+    plan = None if plan_budget is None else fullshard.plan(model, world_size=world, memory_budget=plan_budget,
+                                                           batch=batch, seq=128, hardware=CPU)
+    open("/proc/self/clear_refs", "w").write("5")
+    before = process_memory("VmRSS")
     mesh = None
     if strategy == "hybrid_shard":
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    if plan_budget is not None:
-        plan = fullshard.plan(model, world_size=world, memory_budget=plan_budget, batch=batch, seq=128, hardware=CPU)
+    if plan is not None:
         fullshard.apply_plan(model, plan)
     else:
         mp = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16" else None

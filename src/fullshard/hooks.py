@@ -28,6 +28,12 @@
 # ranks need not take part together. With rank0_only the other ranks hold shards only;
 # a forward there raises at once instead of waiting for a gather rank 0 never joins.
 #
+# Note [compiled modules]: the hooks run eagerly, never traced by torch.compile: they
+# communicate, keep state across steps and read clocks, which a traced graph could only
+# replay or guard on (recompiling at every step). A compiled unit (`block.compile()`,
+# before or after fully_shard) therefore runs its forward as compiled graphs between
+# hooks that gather before it and free after it, as an eager unit does.
+#
 # Note [prefetch]: a unit's gather is issued before it is needed so that it runs while
 # other units compute (the paper's backward and forward prefetch). Forward prefetch
 # follows the order the units ran in during the previous forward (each forward records
@@ -351,6 +357,7 @@ class UnitHooks:
                 hooks.unit.stats = ctx.stats
         return self.ctx
 
+    @torch.compiler.disable  # Note [compiled modules]
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.lazy_init()
         if self.shown is not None:  # Note [forward inside full_params]
@@ -387,6 +394,7 @@ class UnitHooks:
         outputs = iter(PostBackward.apply(self, *inputs))
         return map_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))
 
+    @torch.compiler.disable  # Note [compiled modules]
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.shown is not None:
             return output
@@ -406,6 +414,7 @@ class UnitHooks:
                 tensor.register_hook(self.pre_backward)
         return output
 
+    @torch.compiler.disable  # Note [compiled modules]
     def pre_backward(self, grad: torch.Tensor) -> None:
         self.ctx.queue_final_callback()
         if self.phase is not Phase.BACKWARD:
