@@ -26,7 +26,7 @@ from fullshard.unit import OwnedParam, Unit, UnitConfig, unit_of
 # two units would get two independent shards that silently drift apart (the failure of
 # tied weights split across units), so a second unit asking for it is refused.
 _OWNER = WeakIdKeyDictionary()  # weak, by identity: tensors compare elementwise
-_optimizer_hook = None  # check_optimizer's handle, once registered
+_optimizer_hook = None  # check_optimizer_step's handle, once registered
 
 
 class UnshardHandle:
@@ -196,7 +196,7 @@ class FSDPModule:
         )
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Before every optimizer step (a global hook, registered by the first fully_shard): refuse
     an optimizer that would silently not train a sharded model. Only the parameters that are
     not DTensors, few in a sharded model, need a look."""
@@ -445,5 +445,5 @@ def fully_shard(
     module.__class__ = fsdp_class(type(module))
     module.__dict__[HOOKS_ATTR] = UnitHooks(unit, _schedule)
     if _optimizer_hook is None:
-        _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer)
+        _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer_step)
     return module

@@ -164,7 +164,7 @@ class RootContext:
         self.ahead: list[UnitHooks] = []  # gathered ahead of use, not used yet
         self.reducing: UnitHooks | None = None  # the unit whose reduction is in flight
         self.step = 0  # backward passes finished
-        self.forwards = 0  # forwards started
+        self.checked_first_forward = False
 
     # ---- prefetch, Note [prefetch] --------------------------------------------------
 
@@ -373,9 +373,9 @@ class UnitHooks:
         if self.is_root:
             ctx.recover()
             ctx.start_forward()
-            if not ctx.forwards:
+            if not ctx.checked_first_forward:
                 ctx.check_first_forward(self.unit)
-            ctx.forwards += 1
+                ctx.checked_first_forward = True
         self.phase = Phase.FORWARD
         ctx.record(self)
         self.unit.unshard()

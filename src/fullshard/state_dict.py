@@ -147,7 +147,7 @@ def full_state_value(value: DTensor, unit: Unit, param: ShardedParam, what: str)
         return local
     padded = torch.zeros(param.shard_numel, dtype=local.dtype, device=local.device)
     padded[: local.numel()].copy_(local.reshape(-1))
-    return unit.gather_values([param], [padded], what)[0]
+    return unit.gather_values([param], [padded], local.dtype, what)[0]
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool, cpu_offload: bool,
@@ -447,8 +447,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     check_path(path, "save")
     check_optimizer(optimizer)
     require(step is None or isinstance(step, int), f"save(step={step!r}) must be an int or None", "Pass step=1000.")
+    meta = {"format": 1, "step": step, "extra": extra}
     try:
-        meta = json.dumps({"format": 1, "step": step, "extra": extra})
+        json.dumps(meta)  # refused now, before anything is written
     except (TypeError, ValueError) as e:
         raise fail(f"extra={extra!r} cannot be saved: {e}",
                    "Pass JSON-serializable values (numbers, strings, lists, dicts); checkpoints never "
@@ -456,12 +457,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
     timeout = units_of(model, "save")[0].timeout
-    try:  # rank 0's name
-        token = all_gather_ints([secrets.randbits(48)], device=torch.device("cpu"), timeout=timeout,
-                                group=timed_group(timeout))[0][0]
-    except CollectiveError as e:
-        raise fail(f"rank {dist.get_rank()}: the start of the save to {path} did not finish ({e})",
-                   "Every rank must call save; another rank did not, or died. Restart the job.") from None
+    token = every_rank(f"the start of the save to {path}", timeout, [secrets.randbits(48)])[0][0]  # rank 0's name
     version = path / f"v-{token:012x}"
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -474,7 +470,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     checkpoint_barrier(timeout, f"save to {version}")
     files = file_checksums(version, timeout)
     if dist.get_rank() == 0:
-        write_durably(version / META, json.dumps({**json.loads(meta), "files": files}))
+        write_durably(version / META, json.dumps({**meta, "files": files}))
         write_durably(version / COMPLETE, "")
         write_durably(path / LATEST, version.name)  # the switch: atomic
         for old in path.glob("v-*"):  # the previous version, and any a kill left between switch and removal
@@ -487,8 +483,21 @@ def checkpoint_barrier(timeout: timedelta, what: str) -> None:
     try:
         barrier(timeout, f"the barrier of the {what}")
     except CollectiveError as e:
-        raise fail(f"rank {dist.get_rank()}: {e}", "Every rank must call it; another rank did not, or died. "
-                   "Restart the job (fullshard train --max-restarts N resumes from the last checkpoint).") from None
+        raise not_every_rank(str(e)) from None
+
+
+def every_rank(what: str, timeout: timedelta, values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (all_gather_ints on the group with the checkpoint's deadline)."""
+    try:
+        return all_gather_ints(values, device=torch.device("cpu"), timeout=timeout, group=timed_group(timeout))
+    except CollectiveError as e:
+        raise not_every_rank(f"{what} did not finish ({e})") from None
+
+
+def not_every_rank(what: str) -> Exception:
+    return fail(f"rank {dist.get_rank()}: {what}",
+                "Every rank must make the same call (save, load, state dict); another rank did not, or died. "
+                "Restart the job (fullshard train --max-restarts N resumes from the last checkpoint).")
 
 
 def file_checksums(directory: Path, timeout: timedelta) -> dict[str, list[int]]:
@@ -497,11 +506,7 @@ def file_checksums(directory: Path, timeout: timedelta) -> dict[str, list[int]]:
     mine = [0, 0] * len(names)
     for i in range(dist.get_rank(), len(names), dist.get_world_size()):
         mine[2 * i : 2 * i + 2] = [crc32_of(directory / names[i]), (directory / names[i]).stat().st_size]
-    try:
-        everyone = all_gather_ints(mine, device=torch.device("cpu"), timeout=timeout, group=timed_group(timeout))
-    except CollectiveError as e:
-        raise fail(f"rank {dist.get_rank()}: the checksums of {directory} did not finish ({e})",
-                   "Every rank must call save; restart the job.") from None
+    everyone = every_rank(f"the checksums of {directory}", timeout, mine)
     return {name: [sum(r[2 * i] for r in everyone), sum(r[2 * i + 1] for r in everyone)]
             for i, name in enumerate(names)}
 
@@ -601,11 +606,7 @@ def check_files(directory: Path, needed: Mapping[str, int], listed: Mapping[str,
             bad[i] = 1
         elif name in listed and i % dist.get_world_size() == dist.get_rank() and crc32_of(file) != listed[name][0]:
             bad[i] = 2
-    try:
-        everyone = all_gather_ints(bad, device=torch.device("cpu"), timeout=timeout, group=timed_group(timeout))
-    except CollectiveError as e:
-        raise fail(f"rank {dist.get_rank()}: the check of {directory} did not finish ({e})",
-                   "Every rank must call load; restart the job.") from None
+    everyone = every_rank(f"the check of {directory}", timeout, bad)
     problems = [f"{name}: {'missing, truncated or resized' if max(r[i] for r in everyone) == 1 else 'checksum differs'}"
                 for i, name in enumerate(names) if any(r[i] for r in everyone)]
     if problems:

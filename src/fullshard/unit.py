@@ -294,13 +294,13 @@ class Unit:
     def gather_masters(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, gathered into new tensors on the compute
         device (to read or edit whole weights; the unit's own state does not change)."""
-        return self.gather_values(self.params, self.shards, "full parameters")
+        return self.gather_values(self.params, self.shards, self.master_dtype, "full parameters")
 
-    def gather_values(self, params: list[ShardedParam], shards: list[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """Full tensors of values laid out as these parameters' padded shards (e.g. their
-        optimizer state), gathered into new tensors on the compute device, within the unit's
-        timeout (Note [named hangs])."""
-        dtype = shards[0].dtype
+    def gather_values(self, params: list[ShardedParam], shards: list[torch.Tensor], dtype: torch.dtype,
+                      what: str) -> list[torch.Tensor]:
+        """Full tensors of values of `dtype` laid out as these parameters' padded shards (e.g.
+        their optimizer state), gathered into new tensors on the compute device, within the
+        unit's timeout (Note [named hangs])."""
         fulls = [torch.empty(p.padded_shape, dtype=dtype, device=self.compute_device) for p in params]
         for full in fulls:
             runtime.active.allocated(full)
