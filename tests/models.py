@@ -287,3 +287,98 @@ def train_modelled(model: GPT, model_rt, precision: str, offload: bool, mode: st
             optimizer.step()
         optimizer.zero_grad()
     return syncs
+
+
+# ---- a Llama-style model for tensor parallelism (test_tensor_parallel.py) ----------------------
+# Sizes divide by 4 TP ranks: 4 heads of 8, 64 vocabulary rows, 48 hidden MLP features.
+TP_VOCAB, TP_DIM, TP_HEADS, TP_HIDDEN = 64, 32, 4, 48
+
+
+class TPAttention(nn.Module):
+    """Causal attention with separate q/k/v/o projections, so TP splits it by heads: each rank
+    sees its heads' columns of wq/wk/wv (the head count comes from the local width)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(TP_DIM, TP_DIM, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, -1, TP_DIM // TP_HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, local heads, T, head dim]
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class TPFeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(TP_DIM, TP_HIDDEN, bias=False), nn.Linear(TP_DIM, TP_HIDDEN, bias=False)
+        self.w2 = nn.Linear(TP_HIDDEN, TP_DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TPNorm(nn.RMSNorm):
+    def __init__(self) -> None:
+        super().__init__(TP_DIM)
+
+    def reset_parameters(self) -> None:  # weights away from 1, so that their gradients matter
+        nn.init.uniform_(self.weight, 0.5, 1.5)
+
+
+class TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = TPNorm(), TPNorm()
+        self.attention, self.feed_forward = TPAttention(), TPFeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TPLlama(nn.Module):
+    def __init__(self, n_layer: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(TP_VOCAB, TP_DIM)
+        self.layers = nn.ModuleList(TPBlock() for _ in range(n_layer))
+        self.norm, self.output = TPNorm(), nn.Linear(TP_DIM, TP_VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(idx)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.reshape(-1, TP_VOCAB), targets.reshape(-1))
+
+
+def tp_token_batch(generator: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(0, TP_VOCAB, (batch, SEQ), generator=generator)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def tensor_parallel(model: TPLlama, tp_mesh) -> TPLlama:
+    """PyTorch's Llama recipe: heads and MLP features split (colwise in, rowwise out), norms and
+    the residual stream sequence-parallel, the vocabulary split in the embedding and head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return model

@@ -17,9 +17,10 @@ from fullshard.collectives import all_gather_ints, all_gather_json
 
 from fullshard.errors import fail
 from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, unit_hooks, units_under
-from fullshard.mesh import shard_group
+from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.runtime import CollectiveError
+from fullshard.param import local_values
 from fullshard.unit import OwnedParam, Unit, UnitConfig, unit_of
 
 # Original parameter -> description of the unit that took it. A parameter registered in
@@ -271,8 +272,9 @@ def owned_params(module: nn.Module, exclude: Iterable[nn.Parameter] = ()) -> lis
     return list(owned.values())
 
 
-def check_owned(module: nn.Module, owned: list[OwnedParam]) -> None:
-    """Refuse parameters that another unit manages, or that cannot be communicated in one buffer."""
+def check_owned(module: nn.Module, owned: list[OwnedParam], group: ShardGroup) -> None:
+    """Refuse parameters that another unit manages, that cannot be communicated in one buffer,
+    or DTensors of a parallelism fullshard cannot shard further."""
     what = type(module).__name__
     for o in owned:
         if o.param in _OWNER:
@@ -290,8 +292,7 @@ def check_owned(module: nn.Module, owned: list[OwnedParam]) -> None:
                            f"{type(owner.module).__name__} that contains it",
                            "Apply fully_shard bottom-up: the blocks first, the root last (or use "
                            "fullshard.shard_model, which does).")
-            raise fail(f"parameter {o.fqn!r} of this {what} is already a DTensor",
-                       "fullshard shards plain parameters; apply it to the model before any other parallelism.")
+            check_tp_mesh(group.mesh, o.param.device_mesh, tuple(o.param.placements), o.fqn)
     devices = {o.param.device for o in owned}
     if len(devices) > 1:
         listing = ", ".join(f"{o.fqn!r} on {o.param.device}" for o in owned)
@@ -324,26 +325,39 @@ def bit_sums(tensors: list[torch.Tensor]) -> list[int]:
     return [0 if t.is_meta else next(values) for t in tensors]
 
 
-def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device: torch.device) -> None:
+def dp_groups(group: ShardGroup) -> list[torch.distributed.ProcessGroup | None]:
+    """The groups over which ranks must hold equal parameters: every rank (None), or, on a
+    data-parallel sub-mesh, its shard and replicate groups (the other dims, e.g. tensor
+    parallelism, hold other parts)."""
+    if group.mesh.size() == torch.distributed.get_world_size():
+        return [None]
+    return [g for g in (group.shard_pg, group.replicate_pg) if g is not None]
+
+
+def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device: torch.device,
+                      groups: list[torch.distributed.ProcessGroup | None] = (None,)) -> None:
     """Refuse, on every rank, ranks that would shard different parameters: `described` holds
     each parameter's (name, shape, dtype, requires_grad), `sums` its bit_sums. Ranks that
-    differ would silently mix rows of different models. One small all-gather when they agree."""
-    if torch.distributed.get_world_size() == 1:
-        return
+    differ would silently mix rows of different models. One small all-gather per group
+    (None: every rank) when they agree."""
     try:
-        compare_ranks(what, described, sums, device)
+        for group in groups:
+            if torch.distributed.get_world_size(group) > 1:
+                compare_ranks(what, described, sums, device, group)
     except CollectiveError as e:
         raise fail(f"rank {torch.distributed.get_rank()}: comparing {what} across ranks did not finish ({e})",
                    "Every rank must shard the same model at the same time; another rank did not, or died.") from None
 
 
-def compare_ranks(what: str, described: list[tuple], sums: list[int], device: torch.device) -> None:
-    """check_ranks_agree without the deadline's message."""
+def compare_ranks(what: str, described: list[tuple], sums: list[int], device: torch.device,
+                  group: torch.distributed.ProcessGroup | None) -> None:
+    """check_ranks_agree within one group, without the deadline's message (ranks are the group's)."""
+    timeout = timedelta(seconds=300)
     digest = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(sums).encode())]
-    digests = all_gather_ints(digest, device=device, timeout=timedelta(seconds=300))
+    digests = all_gather_ints(digest, device=device, timeout=timeout, group=group)
     if len({structure for structure, _ in digests}) > 1:
         everyone = [[tuple(d[:1]) + (tuple(d[1]),) + tuple(d[2:]) for d in theirs]  # JSON made tuples lists
-                    for theirs in all_gather_json(described, device=device, timeout=timedelta(seconds=300))]
+                    for theirs in all_gather_json(described, device=device, timeout=timeout, group=group)]
         differ = [f"rank {r}: {sorted(set(theirs) ^ set(described))}" for r, theirs in enumerate(everyone)
                   if theirs != described]
         raise fail(f"ranks would shard different parameters in {what} ((name, shape, dtype, requires_grad) "
@@ -351,7 +365,7 @@ def compare_ranks(what: str, described: list[tuple], sums: list[int], device: to
                    "Build the same model on every rank, with the same parameters frozen, before sharding.")
     if len({values for _, values in digests}) == 1 or not sums:
         return
-    everyone = all_gather_ints(sums, device=device, timeout=timedelta(seconds=300))  # same length: same parameters
+    everyone = all_gather_ints(sums, device=device, timeout=timeout, group=group)  # same length: same parameters
     names = [d[0] for i, d in enumerate(described) if len({theirs[i] for theirs in everyone}) > 1]
     listing = ", ".join(map(repr, names[:8])) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     raise fail(f"ranks hold different values of {listing} in {what}: sharding would keep rank 0's rows of one "
@@ -414,14 +428,17 @@ def fully_shard(
                        f"Pass fullshard.{kind.__name__}(...).")
     global _optimizer_hook
     owned = owned_params(module, _exclude)
-    check_owned(module, owned)
     group = shard_group(mesh)
+    check_owned(module, owned, group)
     check_ranks_agree(f"this {type(module).__name__}",
                       [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad) for o in owned],
-                      bit_sums([o.param for o in owned]), group.device)
+                      bit_sums([local_values(o.param) for o in owned]), group.device, dp_groups(group))
     post_forward_world = 1
     if type(reshard_after_forward) is int:
         k = reshard_after_forward
+        if k not in (1, group.world) and group.mesh.size() != torch.distributed.get_world_size():
+            raise fail(f"reshard_after_forward={k} on a data-parallel mesh of part of the ranks",
+                       "Pass True or False with a sub-mesh (e.g. with tensor parallelism).")
         if not 1 <= k <= group.world or group.world % k:
             raise fail(f"reshard_after_forward={k} does not divide the {group.world} ranks parameters are "
                        f"sharded over", f"Pass a divisor of {group.world}, e.g. the ranks per node.")

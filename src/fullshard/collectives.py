@@ -77,12 +77,13 @@ def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, t
     return rt.read_on_host(out.view(-1, mine.numel()), timeout=timeout, what="an all-gather of integers")
 
 
-def all_gather_json(obj: object, *, device: torch.device, timeout: timedelta) -> list[object]:
+def all_gather_json(obj: object, *, device: torch.device, timeout: timedelta,
+                    group: dist.ProcessGroup | None = None) -> list[object]:
     """Every rank's `obj` (small, JSON-serializable), rank by rank, as JSON: nothing another
     process sends is unpickled. Two all-gathers of integers (lengths, then bytes)."""
     mine = json.dumps(obj).encode()
-    longest = max(n for (n,) in all_gather_ints([len(mine)], device=device, timeout=timeout))
-    everyone = all_gather_ints([*mine, *b"\0" * (longest - len(mine))], device=device, timeout=timeout)
+    longest = max(n for (n,) in all_gather_ints([len(mine)], device=device, timeout=timeout, group=group))
+    everyone = all_gather_ints([*mine, *b"\0" * (longest - len(mine))], device=device, timeout=timeout, group=group)
     return [json.loads(bytes(row).rstrip(b"\0")) for row in everyone]
 
 
@@ -97,14 +98,15 @@ def all_reduce_(tensor: torch.Tensor, op: str, *, timeout: timedelta, what: str)
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], *, device: torch.device | None = None,
-                         timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-    """Rank 0's values of `tensors` on every rank, sent from `device`'s memory (tensors
-    elsewhere, e.g. a model built on the CPU for GPUs, go there and back); None: as they are.
-    Raises CollectiveError when one does not arrive within `timeout`."""
+                         timeout: timedelta = DEFAULT_TIMEOUT, group: dist.ProcessGroup | None = None) -> None:
+    """Rank 0's (of `group`, default: all) values of `tensors` on every rank of it, sent from
+    `device`'s memory (tensors elsewhere, e.g. a model built on the CPU for GPUs, go there and
+    back); None: as they are. Raises CollectiveError when one does not arrive within `timeout`."""
     rt = runtime.active
     for t in tensors:
         sent = t if device is None else rt.to_device(t, device)
-        works = rt.launched([dist.broadcast(sent, src=0, async_op=True)], reads=[sent], writes=[sent])
+        works = rt.launched([dist.broadcast(sent, group=group, group_src=0, async_op=True)], reads=[sent],
+                            writes=[sent])
         wait_all(works, Caller(0, timeout, "a broadcast from rank 0"), on_device=sent.device.type == "cuda")
         if sent is not t:
             t.copy_(sent)

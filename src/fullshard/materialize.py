@@ -18,13 +18,14 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fullshard.api import bit_sums, check_ranks_agree
 from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail
 from fullshard.hooks import units_under
-from fullshard.param import ShardedParam
+from fullshard.param import ShardedParam, local_values
 
 
 def has_meta(model: nn.Module) -> bool:
@@ -48,13 +49,17 @@ def check_initializable(model: nn.Module, init_fn: Callable[[nn.Module], None] |
         )
 
 
-def sync_eager(model: nn.Module, device: torch.device) -> None:
-    """sync_module_states for a model built on a real device: rank 0's values everywhere,
-    sent from `device`'s memory (a model built on the CPU for GPUs goes there and back)."""
+def sync_eager(model: nn.Module, device: torch.device, groups: list[dist.ProcessGroup | None]) -> None:
+    """sync_module_states for a model built on a real device: the values of rank 0 of each of
+    `groups` in turn (None: every rank; the dims of a data-parallel sub-mesh, whose other dims,
+    e.g. tensor parallelism, hold other parts), sent from `device`'s memory (a model built on
+    the CPU for GPUs goes there and back)."""
     with torch.no_grad():
         for module in model.modules():
-            broadcast_from_rank0([t for t in [*module._parameters.values(), *module._buffers.values()]
-                                  if t is not None], device=device)
+            tensors = [local_values(t) for t in [*module._parameters.values(), *module._buffers.values()]
+                       if t is not None]
+            for group in groups:
+                broadcast_from_rank0(tensors, device=device, group=group)
 
 
 def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None, sync: bool) -> None:
@@ -76,7 +81,7 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
             buffers = [key for key, b in module._buffers.items() if b is not None and b.is_meta]
             if not params and not buffers:
                 continue
-            fresh = {key: nn.Parameter(unset(p.shape, p.sharded.dtype, device), requires_grad=p.sharded.requires_grad)
+            fresh = {key: nn.Parameter(unset(p.global_shape, p.sharded.dtype, device), requires_grad=p.sharded.requires_grad)
                      for key, p in params.items()}
             module._parameters.update(fresh)
             for key in buffers:

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.errors import fail
 
@@ -170,6 +172,52 @@ def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
     )
 
 
+_spmd_meshes: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
+
+
+def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a parameter's shard: the data-parallel ones, then (for a
+    tensor-parallel DTensor, Note [tensor parallel parameters]) the TP mesh's."""
+    dp = group.replicated_placements if zero_dim else group.sharded_placements
+    if tp is None:
+        return group.mesh, dp
+    split = 1  # TP shards of dim 0 that the dp split goes inside
+    for dim, placement in enumerate(tp.placements):
+        if placement.is_shard(0):
+            split *= tp.mesh.size(dim)
+    if split > 1:
+        dp = tuple(_StridedShard(0, split_factor=split) if isinstance(p, Shard) else p for p in dp)
+    key = (group.mesh, tp.mesh)
+    if key not in _spmd_meshes:
+        _spmd_meshes[key] = DeviceMesh._concatenate([group.mesh, tp.mesh])
+    return _spmd_meshes[key], (*dp, *tp.placements)
+
+
+def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, fqn: str) -> None:
+    """Refuse a tensor-parallel DTensor parameter that fullshard cannot shard further over `dp_mesh`."""
+    if tp_mesh.ndim != 1 or not all(p.is_shard() or p.is_replicate() for p in placements) or \
+            any(isinstance(p, _StridedShard) for p in placements):
+        raise fail(f"parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh with placements {placements}; "
+                   f"fullshard shards DTensors of 1-D tensor parallelism (Shard or Replicate placements)",
+                   "Apply tensor parallelism over one mesh dim (parallelize_module(module, mesh_2d['tp'], plan)), "
+                   "then fully_shard(module, mesh=mesh_2d['dp']).")
+    if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise fail(f"parameter {fqn!r} is a tensor-parallel DTensor, and the data-parallel and TP meshes must "
+                   f"be named dims of one mesh", 'Build init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", '
+                   '"tp")) and pass mesh_2d["dp"] to fully_shard, mesh_2d["tp"] to parallelize_module.')
+    try:
+        DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except RuntimeError as e:
+        raise fail(f"parameter {fqn!r}: its TP mesh {tp_mesh.mesh_dim_names} and the data-parallel mesh "
+                   f"{dp_mesh.mesh_dim_names} are not distinct dims of one mesh ({e})",
+                   'Slice both from one mesh: mesh_2d["dp"] for fully_shard, mesh_2d["tp"] for tensor '
+                   "parallelism.") from None
+    if dp_mesh.size() * tp_mesh.size() != dist.get_world_size():
+        raise fail(f"parameter {fqn!r}: the data-parallel mesh ({dp_mesh.size()} ranks) and its TP mesh "
+                   f"({tp_mesh.size()}) do not cover the {dist.get_world_size()} ranks",
+                   "Pass the data-parallel dims of the mesh whose other dim is the TP mesh.")
+
+
 def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
     """Validate `mesh` (None: 1-D over the default process group) and describe it."""
     require_process_group()
@@ -178,10 +226,11 @@ def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
     if not isinstance(mesh, DeviceMesh):
         raise fail(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}",
                    "Build one with torch.distributed.device_mesh.init_device_mesh.")
-    if mesh.size() != dist.get_world_size():
+    if mesh.size() != dist.get_world_size() and mesh._get_root_mesh().size() != dist.get_world_size():
         raise fail(
             f"the mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}",
-            "Build the data-parallel mesh over every rank, e.g. init_device_mesh(device, (world_size,)).",
+            "Build the data-parallel mesh over every rank, e.g. init_device_mesh(device, (world_size,)), or "
+            'pass the data-parallel dims of a mesh over every rank, e.g. mesh_2d["dp"].',
         )
     roles = mesh_roles(mesh)
     groups = {role: mesh.get_group(dim) for dim, role in enumerate(roles)}

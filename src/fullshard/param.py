@@ -11,6 +11,17 @@
 # takes one slot in every rank's shard, is a Replicate() DTensor, and every rank computes
 # with rank 0's copy.
 #
+# Note [tensor parallel parameters]: a parameter that is already a DTensor on a tensor-
+# parallel mesh (parallelize_module) is sharded from its local part: the rows this rank's
+# TP position holds are what the unit splits, gathers over the data-parallel ranks only
+# and reduces gradients of over them only. The shard is a DTensor on the mesh of both,
+# (dp dims..., tp dim): placements (Shard(0), tp's), where a TP Shard(0) makes the dp
+# placement _StridedShard(0, split_factor=tp size), since rows are split by TP first and
+# by dp within (DTensor's own Shard(0), Shard(0) would mean the other order). While full,
+# the modules hold a DTensor on the TP mesh over the gathered local rows, as before
+# sharding, so tensor parallelism's forward runs unchanged. Shapes below (`shape`, rows)
+# are of the local part; `global_shape` is the parameter's.
+#
 # Note [stable full params]: autograd saves the full parameter in forward and reads it
 # in backward, possibly after a reshard and a new gather in between. So the full
 # Parameter objects are made once, as views of one storage per unit; freeing them
@@ -29,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.errors import fail
-from fullshard.mesh import ShardGroup
+from fullshard.mesh import ShardGroup, spmd_layout
 
 
 def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
@@ -43,6 +54,12 @@ def shard_numel(shape: torch.Size, world: int) -> int:
     if len(shape) == 0:
         return 1
     return shard_rows(shape[0], world, 0)[0] * math.prod(shape[1:])
+
+
+def local_values(param: torch.Tensor) -> torch.Tensor:
+    """What fullshard splits of a parameter: a tensor-parallel DTensor's local part, or the parameter
+    itself (Note [tensor parallel parameters])."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def alias(storage_of: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -67,11 +84,15 @@ class ShardedParam:
         part of the unit's full storage (None when one rank holds every row)."""
         self.fqn = fqn
         self.slots = slots  # every (module, attribute) the parameter is registered under
-        self.shape = original.shape
+        tp = original._spec if isinstance(original, DTensor) else None  # Note [tensor parallel parameters]
+        self.tp_mesh = tp.mesh if tp else None
+        self.tp_placements = tuple(tp.placements) if tp else ()
+        values = local_values(original).detach()
+        self.shape = values.shape  # what the unit splits: the TP-local part
+        self.global_shape = original.shape
+        self.global_stride = torch.empty(self.global_shape, device="meta").stride()
         self.replicated = original.dim() == 0
-        self.mesh = group.mesh
-        self.stride = torch.empty(self.shape, device="meta").stride()
-        self.placements = group.replicated_placements if self.replicated else group.sharded_placements
+        self.mesh, self.placements = spmd_layout(group, tp, self.replicated)
         if self.replicated:
             rows_per_shard, local_rows, first_row = 1, 1, 0
         else:
@@ -83,7 +104,7 @@ class ShardedParam:
         self.padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
         local = self.bind(segment, full_segment, original.requires_grad)
         with torch.no_grad():
-            local.copy_(original if self.replicated else original[first_row : first_row + local_rows])
+            local.copy_(values if self.replicated else values[first_row : first_row + local_rows])
         self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=original.requires_grad)
 
     def bind(self, segment: torch.Tensor, full_segment: torch.Tensor | None, requires_grad: bool) -> torch.Tensor:
@@ -93,7 +114,7 @@ class ShardedParam:
             self.full_padded = segment  # one rank holds every row, in the master dtype: full and shard are one
         else:
             self.full_padded = full_segment.view(self.padded_shape)  # [world * rows_per_shard, *shape[1:]]
-        self.unsharded = nn.Parameter(alias(self.full_padded, self.shape), requires_grad=requires_grad)
+        self.unsharded = nn.Parameter(self.on_tp_mesh(alias(self.full_padded, self.shape)), requires_grad=requires_grad)
         return segment[: self.local_shape.numel()].view(self.local_shape)
 
     def rebind(self, segment: torch.Tensor, full_segment: torch.Tensor | None) -> None:
@@ -111,8 +132,43 @@ class ShardedParam:
         """Wrap this rank's rows (of the parameter or of its gradient) as a DTensor."""
         return DTensor.from_local(
             local, self.mesh, self.placements, run_check=False,
-            shape=self.shape, stride=self.stride,
+            shape=self.global_shape, stride=self.global_stride,
         )
+
+    def on_tp_mesh(self, full_local: torch.Tensor) -> torch.Tensor:
+        """The full parameter as forward sees it: a DTensor on the TP mesh over the gathered
+        local part (Note [tensor parallel parameters]), or the plain tensor."""
+        if self.tp_mesh is None:
+            return full_local
+        return DTensor.from_local(full_local, self.tp_mesh, self.tp_placements, run_check=False,
+                                  shape=self.global_shape, stride=self.global_stride)
+
+    def whole(self, full_local: torch.Tensor) -> torch.Tensor:
+        """A full value (of the parameter or its optimizer state) as a plain tensor of the
+        parameter's shape: gathered over the TP mesh (every rank of it must call), under the
+        process group's timeout as tensor parallelism's own collectives are."""
+        return self.on_tp_mesh(full_local).full_tensor() if self.tp_mesh is not None else full_local
+
+    def tp_part(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's TP part of a value of the parameter's whole shape (no communication)."""
+        for dim, placement in enumerate(self.tp_placements):
+            if placement.is_shard():
+                d = placement.dim
+                size, coordinate = self.tp_mesh.size(dim), self.tp_mesh.get_local_rank(dim)
+                per, rows = shard_rows(value.shape[d], size, coordinate)
+                value = value.narrow(d, min(coordinate * per, value.shape[d]), rows)
+        return value
+
+    def full_grad(self) -> torch.Tensor | None:
+        """The full parameter's gradient as a plain tensor of the local part's shape. A TP
+        gradient that is still a partial sum over the TP ranks (a replicated weight applied to
+        sequence-parallel activations) is summed over them first."""
+        grad = self.unsharded.grad
+        if grad is None or self.tp_mesh is None:
+            return grad
+        if tuple(grad.placements) != self.tp_placements:  # e.g. Partial()
+            grad = grad.redistribute(placements=self.tp_placements)
+        return grad.to_local()
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()
@@ -143,11 +199,20 @@ class ShardedParam:
         """The parameter's own elements of a padded full tensor."""
         return full_padded[0] if self.replicated else full_padded[: self.shape[0]]
 
+    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full value: a plain tensor of the parameter's shape, or as
+        forward sees the parameter (a DTensor on the TP mesh)."""
+        if isinstance(full, DTensor):
+            same = full.device_mesh == self.tp_mesh and tuple(full.placements) == self.tp_placements
+            full = full.to_local() if same else self.tp_part(full.full_tensor())
+        elif self.tp_mesh is not None:
+            full = self.tp_part(full)
+        return full if self.replicated else full[self.first_row : self.first_row + self.local_shape[0]]
+
     def write_back(self, full: torch.Tensor) -> None:
-        """Copy this rank's rows of an edited full value into the shard."""
-        rows = full if self.replicated else full[self.first_row : self.first_row + self.local_shape[0]]
+        """Copy this rank's rows of an edited full value (see rows_of) into the shard."""
         with torch.no_grad():
-            self.local_shard().copy_(rows)
+            self.local_shard().copy_(self.rows_of(full))
 
     def accumulate_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced rows to the shard's gradient, creating it on first use."""

@@ -115,6 +115,7 @@ def full_model_state(model: nn.Module, *, cpu_offload: bool, keep: bool) -> dict
     full: dict[int, torch.Tensor] = {}
     for unit in units_of(model, "get_state_dict"):
         for p, tensor in zip(unit.params, unit.gather_masters()):
+            tensor = p.whole(tensor)
             if keep:
                 full[id(p)] = tensor.cpu() if cpu_offload else tensor
     if not keep:
@@ -147,7 +148,7 @@ def full_state_value(value: DTensor, unit: Unit, param: ShardedParam, what: str)
         return local
     padded = torch.zeros(param.shard_numel, dtype=local.dtype, device=local.device)
     padded[: local.numel()].copy_(local.reshape(-1))
-    return unit.gather_values([param], [padded], local.dtype, what)[0]
+    return param.whole(unit.gather_values([param], [padded], local.dtype, what)[0])
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool, cpu_offload: bool,
@@ -289,8 +290,7 @@ def shard_like(param: nn.Parameter, sharded: ShardedParam | None, value: Any) ->
         if value.device_mesh == sharded.mesh and tuple(value.placements) == tuple(sharded.placements):
             return value.detach().clone()
         value = full_value(value, compute_device(sharded.mesh.device_type))
-    rows = value if sharded.replicated else value[sharded.first_row : sharded.first_row + sharded.local_shape[0]]
-    return sharded.as_dtensor(rows.detach().to(sharded.local_shard().device).clone())
+    return sharded.as_dtensor(sharded.rows_of(value).detach().to(sharded.local_shard().device).clone())
 
 
 def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -695,6 +695,7 @@ def export(model: nn.Module, path: str | os.PathLike) -> None:
                 out.write(tensor_bytes(tensor))
         for unit in units:
             for p, tensor in zip(unit.params, unit.gather_masters()):
+                tensor = p.whole(tensor)
                 for _ in names_of[id(p)] if out else ():
                     out.write(tensor_bytes(tensor))
         if out:

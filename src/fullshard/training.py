@@ -50,11 +50,19 @@ def stats(model: nn.Module) -> Stats:
 
 def counts_once(grad: torch.Tensor) -> bool:
     """Whether this rank's piece of `grad` is the copy counted in a global norm: of the
-    ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim."""
+    ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim, and
+    of every dim its mesh lacks (a data-parallel sub-mesh: tensor parallelism keeps the
+    parameters it does not split equal on its ranks)."""
     if not isinstance(grad, DTensor):
         return dist.get_rank() == 0
-    coordinate = grad.device_mesh.get_coordinate()
-    return all(c == 0 for c, placement in zip(coordinate, grad.placements) if isinstance(placement, Replicate))
+    mesh = grad.device_mesh
+    if any(c != 0 for c, placement in zip(mesh.get_coordinate(), grad.placements) if isinstance(placement, Replicate)):
+        return False
+    root = mesh._get_root_mesh()
+    if root.size() == mesh.size():
+        return True
+    return all(c == 0 for name, c in zip(root.mesh_dim_names, root.get_coordinate())
+               if name not in mesh.mesh_dim_names)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -165,13 +173,17 @@ def full_params(
     if any(unit_hooks(unit.module).phase is not Phase.IDLE for unit in units):
         raise fail("full_params was entered during a forward or backward",
                    "Use it between training steps.")
+    if rank0_only and any(p.tp_mesh is not None for unit in units for p in unit.params):
+        raise fail("full_params(rank0_only=True) on a tensor-parallel model: its forward communicates over the "
+                   "TP ranks, which rank 0 cannot do alone", "Pass rank0_only=False: every rank then sees its "
+                   "TP part of the full parameters, and a forward inside runs tensor parallelism as usual.")
     visible = not rank0_only or dist.get_rank() == 0
     shown: list[list[nn.Parameter]] = []
     for unit in units:  # one unit at a time, so offloading bounds device memory
         fulls = unit.gather_masters()
         if visible:
-            fulls = [nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=p.sharded.requires_grad)
-                     for p, full in zip(unit.params, fulls)]
+            fulls = [nn.Parameter(p.on_tp_mesh(full.cpu() if offload_to_cpu else full),
+                                  requires_grad=p.sharded.requires_grad) for p, full in zip(unit.params, fulls)]
             for p, full in zip(unit.params, fulls):
                 for module, name in p.slots:
                     module._parameters[name] = full

@@ -38,7 +38,7 @@ from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingRed
                                    reduce_scatter_grads)
 from fullshard.errors import FullShardError, fail
 from fullshard.mesh import ShardGroup, smaller_group
-from fullshard.param import ShardedParam, shard_numel
+from fullshard.param import ShardedParam, local_values, shard_numel
 from fullshard.runtime import CollectiveError, OverdueCollective
 from fullshard.stats import Stats
 
@@ -98,7 +98,7 @@ class Unit:
         self.unlanded: list[tuple[list[ShardedParam], torch.Tensor, torch.Tensor]] = []  # Note [landing]
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
-        self.shard_numels = [shard_numel(o.param.shape, group.world) for o in owned]
+        self.shard_numels = [shard_numel(local_values(o.param).shape, group.world) for o in owned]
         self.master_dtype = owned[0].param.dtype if owned else torch.float32
         self.compute_dtype = config.param_dtype or self.master_dtype
         self.reduce_dtype = config.reduce_dtype or self.compute_dtype
@@ -198,7 +198,7 @@ class Unit:
                 with torch.no_grad():
                     for p in self.params:
                         if p.replicated:  # keep every rank's copy equal to the one used, Note [shard layout]
-                            runtime.active.copy_(p.local_shard(), p.unsharded)  # offload: to the host, no wait
+                            runtime.active.copy_(p.local_shard(), local_values(p.unsharded))  # offload: to the host, no wait
         for p in self.params:
             p.to_full()
         self.state = ShardState.FULL
@@ -317,7 +317,7 @@ class Unit:
 
     def count_full_grads(self) -> None:
         """Bring stats.full_grad_bytes up to the full gradients this unit holds now."""
-        held = sum(p.unsharded.grad.nbytes for p in self.params if p.unsharded.grad is not None)
+        held = sum(local_values(p.unsharded.grad).nbytes for p in self.params if p.unsharded.grad is not None)
         self.stats.full_grads(held - self.counted_grad_bytes)
         self.counted_grad_bytes = held
 
@@ -344,7 +344,7 @@ class Unit:
             return
         group = self.group
         numels = [p.shard_numel for p in grad_params]
-        full_grads = [p.unsharded.grad for p in grad_params]
+        full_grads = [p.full_grad() for p in grad_params]
         all_here = all(g is not None for g in full_grads)  # then every reduced flag is set
         if self.debug:
             self.check_agreement(1, sum(1 << i for i, g in enumerate(full_grads) if g is not None) % (1 << 62))

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 from typing import Callable, Iterable
 
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
@@ -113,7 +114,8 @@ def shard_model(
     if mesh is None:
         mesh = build_mesh(spec["mesh_dims"])
     if sync_module_states and not meta:
-        sync_eager(model, compute_device(mesh.device_type))
+        groups = [None] if mesh.size() == dist.get_world_size() else [mesh.get_group(d) for d in range(mesh.ndim)]
+        sync_eager(model, compute_device(mesh.device_type), groups)
     schedule = Schedule(prefetch_before_backward=backward_prefetch == "pre",
                         prefetch_after_backward=backward_prefetch == "post",
                         forward_prefetch=bool(forward_prefetch), limit=limit_all_gathers)
