@@ -358,27 +358,29 @@ def tp_token_batch(generator: torch.Generator, batch: int) -> tuple[torch.Tensor
     return x, torch.roll(x, -1, dims=1)
 
 
-def tensor_parallel(model: TPLlama, tp_mesh) -> TPLlama:
-    """PyTorch's Llama recipe: heads and MLP features split (colwise in, rowwise out), norms and
-    the residual stream sequence-parallel, the vocabulary split in the embedding and head."""
+def tp_plan() -> dict:
+    """PyTorch's Llama recipe as one parallelize_module plan: heads and MLP features split
+    (colwise in, rowwise out), norms and the residual stream sequence-parallel, the
+    vocabulary split in the embedding and head."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+                                                   SequenceParallel)
 
-    parallelize_module(model, tp_mesh, {
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layers.*.attention_norm": SequenceParallel(), "layers.*.attention": gathered,
+        **{f"layers.*.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(), "layers.*.feed_forward": gathered,
+        "layers.*.feed_forward.w1": ColwiseParallel(), "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
-    for layer in model.layers:
-        parallelize_module(layer, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
-    return model
+    }
+
+
+def tensor_parallel(model: TPLlama, tp_mesh) -> TPLlama:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, tp_mesh, tp_plan())

@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fullshard
-from tests.models import TPBlock, TPLlama, tensor_parallel, tp_token_batch
+from fullshard.hooks import units_under
+from tests.models import SEQ, TPBlock, TPLlama, tensor_parallel, tp_plan, tp_token_batch
 from tests.reference import ADAMW_TOL, LOSS_TOL, global_batches, make_optimizer
 from tests.test_errors import raises
 
@@ -53,28 +54,25 @@ def parity_job(shape: str, offload: bool = False) -> dict:
     reference = TPLlama()
     optimizer, ref_optimizer = make_optimizer("adamw", model), make_optimizer("adamw", reference)
     losses, norms = [], []
-    with fullshard.stats(model) as s:
-        for x, y in global_batches(tp_token_batch, 3, 8):
-            loss = model(x.chunk(dp)[index], y.chunk(dp)[index])
-            loss.backward()
-            norm = fullshard.clip_grad_norm_(model, 0.5)
-            optimizer.step()
-            optimizer.zero_grad()
-            want = reference(x, y)
-            want.backward()
-            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(abs(total.item() / dist.get_world_size() - want.item()))
-            norms.append(abs(norm.item() - ref_norm.item()))
-        gathered = s.gather_bytes
+    for x, y in global_batches(tp_token_batch, 3, 8):
+        loss = model(x.chunk(dp)[index], y.chunk(dp)[index])
+        loss.backward()
+        norm = fullshard.clip_grad_norm_(model, 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        want = reference(x, y)
+        want.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(abs(total.item() / dist.get_world_size() - want.item()))
+        norms.append(abs(norm.item() - ref_norm.item()))
     sd, _ = fullshard.get_state_dict(model)
     return {"loss": max(losses), "norm": max(norms),
             "param": max((sd[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
-            "placements": {n: [repr(p) for p in param.placements] for n, param in model.named_parameters()},
-            "gathered": gathered, "local_numel": sum(p.to_local().numel() for p in model.parameters())}
+            "placements": {n: [repr(p) for p in param.placements] for n, param in model.named_parameters()}}
 
 
 def test_2d_and_hybrid_2d_train_like_one_process(world4):
@@ -89,10 +87,31 @@ def test_2d_and_hybrid_2d_train_like_one_process(world4):
         assert placements["layers.0.attention.wq.weight"] == strided + ["Shard(dim=0)"]  # colwise: rows of rows
         assert placements["layers.0.attention.wo.weight"] == dp + ["Shard(dim=1)"]  # rowwise
         assert placements["layers.0.ffn_norm.weight"] == dp + ["Replicate()"]  # sequence parallel
-    # gathers run over the dp ranks only, on each rank's TP part: 2 per step (forward, backward)
-    # of the blocks' local parameters, forward only of the root's (kept until its backward)
-    for got in world4.run(parity_job, shape="2x2"):
-        assert 0 < got["gathered"] < 3 * 2 * got["local_numel"] * 4, got
+
+
+def planned_job() -> dict:
+    """One step's bytes over the dp dim and the shards' bytes of a 2-D model sharded by
+    apply_plan, and what fullshard.plan predicted for them."""
+    with torch.device("meta"):
+        meta = TPLlama()
+    plan = fullshard.plan(meta, world_size=4, tp=2, tp_plan=tp_plan(), memory_budget=1e15, batch=4, seq=SEQ,
+                          hardware="a100", precisions=("fp32",), strategies=("full_shard",))  # a100: no probe
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = fullshard.apply_plan(tensor_parallel(TPLlama(), mesh["tp"]), plan, mesh=mesh["dp"])
+    x, y = tp_token_batch(torch.Generator().manual_seed(mesh.get_coordinate()[0]), 4)
+    model(x, y).backward()
+    with fullshard.stats(model) as s:
+        model(x, y).backward()
+    c = plan.chosen
+    return {"sent": (s.intra_group_bytes, c.sent_intra), "cross": s.cross_group_bytes,
+            "shards": (sum(t.nbytes for unit in units_under(model) for t in unit.shards), c.memory["shards"])}
+
+
+def test_the_planner_predicts_a_2d_steps_dp_bytes_and_shards_exactly(world4):
+    # gathers and reductions run over the dp ranks only, on each rank's TP part
+    for got in world4.run(planned_job):
+        assert got["sent"][0] == got["sent"][1] > 0 and got["cross"] == 0, got
+        assert got["shards"][0] == got["shards"][1], got
 
 
 def checkpoint_job(directory: str) -> dict:

@@ -400,7 +400,9 @@ def fully_shard(
             of both ``FSDPModule`` and its own class.
         mesh: ``None`` for a 1-D mesh over the default process group; a 1-D ``DeviceMesh``
             (dims named ``("replicate",)`` replicate instead of sharding); or a 2-D mesh with
-            dims ``("replicate", "shard")`` for hybrid sharding.
+            dims ``("replicate", "shard")`` for hybrid sharding. With tensor parallelism it
+            is the data-parallel dims of a larger mesh (``mesh_2d["dp"]``), and parameters
+            that are DTensors on its TP dim are sharded further (docs/composition.md).
         reshard_after_forward: ``True`` frees the full parameters after forward and gathers
             them again for backward; ``False`` keeps them until the end of backward; an
             ``int`` k keeps 1/k of them, so the gather before backward stays inside groups

@@ -13,12 +13,19 @@
 # hardware overlaps them. With CPU offload (GPUs only) the shards, gradients and optimizer
 # state leave device memory; each gather copies a shard in and each reduce-scatter a
 # gradient shard out over the host link, and the optimizer step runs on the host.
+# With tensor parallelism (tp > 1) each parameter counts as a TP rank's part, as the
+# tp_plan splits it, sharded over the world_size // tp data-parallel ranks; activations
+# are a TP rank's: sequence parallelism splits what a block saves, except the inputs
+# TP gathers whole for its column-split projections and what follows a gathered output
+# (a head's logits). TP's own traffic is not predicted (benchmarks/tensor_parallel.py
+# measures it against the recipe's closed form).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import inspect
 import itertools
 import math
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail, require
@@ -118,6 +126,7 @@ class Plan:
     memory_budget: int
     hardware: Hardware
     block: type | None  # the repeated block class ("blocks" wraps its instances)
+    tp: int = 1  # tensor-parallel ranks: fullshard shards over world_size // tp
 
     def table(self) -> str:
         head = ("| wrap | strategy | limit | precision | checkpointing | offload | peak MB/rank | sent in group MB | "
@@ -167,9 +176,11 @@ def example_inputs(model: nn.Module, batch: int, seq: int, device: torch.device)
 
 
 def activation_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype, block: type | None,
-                     checkpointing: bool, device: str) -> int:
+                     checkpointing: bool, device: str, tp: int = 1, tp_plan: dict | None = None) -> int:
     """Bytes autograd saves for backward in one forward of one rank's micro-batch (with
-    checkpointing of each `block`: only the blocks' inputs and what is outside them).
+    checkpointing of each `block`: only the blocks' inputs and what is outside them), on
+    one of `tp` tensor-parallel ranks: sequence parallelism splits what is saved over them,
+    except what TP gathers whole (Note [planner]).
 
     The forward runs on fake tensors that claim to be on `device` (nothing is allocated),
     so kernels are chosen as on that device: attention saves what a flash kernel saves
@@ -184,11 +195,39 @@ def activation_bytes(model: nn.Module, batch: int, seq: int, dtype: torch.dtype,
         recompute(probe, (block,))
     usable = device == "cpu" or (device == "cuda" and torch.cuda.is_available())  # else autograd aborts
     with FakeTensorMode():
-        return _saved_bytes(probe, batch, seq, dtype, torch.device(device if usable else "cpu"))
+        saved, whole = _saved_bytes(probe, batch, seq, dtype, torch.device(device if usable else "cpu"),
+                                    gathered_modules(probe, tp_plan) if tp > 1 else {})
+    return whole + (saved - whole) // tp
 
 
-def _saved_bytes(probe: nn.Module, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Run `probe`'s forward on empty tensors on `device`, counting the storages autograd saves."""
+def gathered_modules(model: nn.Module, tp_plan: dict | None) -> dict[nn.Module, bool]:
+    """The modules whose input tensor parallelism gathers whole (ColwiseParallel), each with
+    whether it gathers its output whole too (output_layouts Replicate, e.g. a head's logits)."""
+    from torch.distributed.tensor import Replicate  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: PLC0415
+
+    styles = {module: style for module, style in tp_styles(model, tp_plan) if isinstance(style, ColwiseParallel)}
+    return {module: isinstance(style.output_layouts[0], Replicate) for module, style in styles.items()}
+
+
+def tp_styles(model: nn.Module, tp_plan: dict | None) -> list[tuple[nn.Module, object]]:
+    """Each module of `model` a parallelize_module plan names (``*`` matches one name), with its style."""
+    out = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        for pattern, style in (tp_plan or {}).items():
+            keys = pattern.split(".")
+            if len(keys) == len(parts) and all(fnmatch.fnmatchcase(n, k) for n, k in zip(parts, keys)):
+                out.append((module, style))
+                break
+    return out
+
+
+def _saved_bytes(probe: nn.Module, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
+                 gathered: dict[nn.Module, bool]) -> tuple[int, int]:
+    """Run `probe`'s forward on empty tensors on `device`, counting the storages autograd saves;
+    returns (all of them, those that TP keeps whole: inputs of `gathered` modules, and anything
+    saved after one that gathers its output)."""
     for module in probe.modules():
         for key, t in list(module._parameters.items()) + list(module._buffers.items()):
             if t is None:
@@ -206,12 +245,26 @@ def _saved_bytes(probe: nn.Module, batch: int, seq: int, dtype: torch.dtype, dev
         storage = t.untyped_storage()
         if storage._cdata not in params:
             saved[storage._cdata] = storage.nbytes()
+            if after_gathered_output:
+                whole.add(storage._cdata)
         return t
 
+    whole: set[int] = set()
+    after_gathered_output = False  # e.g. the loss on a head's gathered logits: whole on every TP rank
+
+    def note(module: nn.Module, inputs: tuple, output: object) -> None:
+        nonlocal after_gathered_output
+        after_gathered_output |= gathered[module]
+        if isinstance(inputs[0], torch.Tensor):
+            whole.add(inputs[0].untyped_storage()._cdata)
+
+    hooks = [module.register_forward_hook(note) for module in gathered]
     args, kwargs = example_inputs(probe, batch, seq, device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         probe(*args, **kwargs)
-    return sum(saved.values())
+    for hook in hooks:
+        hook.remove()
+    return sum(saved.values()), sum(nbytes for storage, nbytes in saved.items() if storage in whole)
 
 
 # ---- the cost of a candidate ------------------------------------------------------------------
@@ -224,12 +277,38 @@ class UnitShape:
     trainable: int  # parameters with requires_grad (each has a has-gradient flag)
 
 
-def units_of_plan(model: nn.Module, wrap: str, block: type | None) -> list[UnitShape]:
+def units_of_plan(model: nn.Module, wrap: str, block: type | None,
+                  tp_shapes: dict[nn.Parameter, torch.Size]) -> list[UnitShape]:
     """The units shard_model would make, in forward order (the root first): each owns the
-    parameters under it that no unit below it owns (tied ones go to the common ancestor)."""
+    parameters under it that no unit below it owns (tied ones go to the common ancestor).
+    Shapes are a TP rank's parts where `tp_shapes` has them (Note [tensor parallel parameters])."""
     chosen = choose_units(model, {block} if wrap == "blocks" and block is not None else None)  # bottom-up
-    return [UnitShape(sum(p.numel() for p in own), [p.shape for p in own], sum(p.requires_grad for p in own))
-            for _, _, own in reversed(chosen)]
+    shapes = [[tp_shapes.get(p, p.shape) for p in own] for _, _, own in reversed(chosen)]
+    return [UnitShape(sum(math.prod(s) for s in shape), shape, sum(p.requires_grad for p in own))
+            for shape, (_, _, own) in zip(shapes, reversed(chosen))]
+
+
+def tp_local_shapes(model: nn.Module, tp: int, tp_plan: dict | None) -> dict[nn.Parameter, torch.Size]:
+    """Each parameter's part on the first TP rank (which holds the most) under `tp_plan`, a
+    parallelize_module plan over the whole model (``*`` matches one name): ColwiseParallel splits
+    a Linear's output features (weight and bias) or an Embedding's features, RowwiseParallel a
+    Linear's input features or an Embedding's rows; other styles split nothing."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: PLC0415
+
+    if tp == 1 or not tp_plan:
+        return {}
+    out = {}
+    for module, style in tp_styles(model, tp_plan):
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        colwise, embedding = isinstance(style, ColwiseParallel), isinstance(module, nn.Embedding)
+        for key, param in module.named_parameters(recurse=False):
+            dim = None if key == "bias" and not colwise else (1 if colwise == embedding else 0)
+            if dim is not None and param.dim() > dim:
+                shape = list(param.shape)
+                shape[dim] = -(-shape[dim] // tp)
+                out[param] = torch.Size(shape)
+    return out
 
 
 def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimizer_states: int,
@@ -376,7 +455,7 @@ def _run_probes(precisions: tuple[str, ...]) -> list[Probe]:
             for prec in precisions]
     with torch.device("meta"):
         model = GPT(PROBE_CONFIG)
-    units = units_of_plan(model, "blocks", type(model.h[0]))
+    units = units_of_plan(model, "blocks", type(model.h[0]), {})
     probes = []
     for prec, run in zip(precisions, runs):
         stdout, stderr = run.communicate(timeout=600)
@@ -415,7 +494,7 @@ def calibrated(hw: Hardware, precisions: tuple[str, ...]) -> Hardware:
 
 def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch: int, seq: int,
          optimizer: str = "adamw", hardware: str | Hardware = "cpu", precisions: tuple[str, ...] = ("fp32", "bf16"),
-         strategies: tuple[str, ...] | None = None) -> Plan:
+         strategies: tuple[str, ...] | None = None, tp: int = 1, tp_plan: dict | None = None) -> Plan:
     """Predict, for every candidate sharding, the per-rank peak memory, the bytes sent per step
     and the step time, and choose the fastest that fits `memory_budget`.
 
@@ -434,6 +513,11 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
         hardware: ``"cpu"``, ``"a100"``, ``"h100"`` or a :class:`Hardware`.
         precisions: compute precisions to consider.
         strategies: strategies to consider (default: all that apply to the world size).
+        tp: tensor-parallel ranks (2-D parallelism, docs/composition.md): fullshard shards over
+            the ``world_size // tp`` data-parallel ranks, whose groups sit inside nodes of
+            ``ranks_per_node // tp`` of them; memory and bytes are a TP rank's.
+        tp_plan: with ``tp`` > 1, the ``parallelize_module`` plan, keyed by names in `model`
+            (``"layers.*.attention.wq"``), that says which parameters TP splits.
 
     Returns:
         A :class:`Plan`: ``chosen``, ``candidates`` (``table()``), ``explain()``.
@@ -454,22 +538,30 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
     require(isinstance(hw, Hardware), f"hardware={hardware!r} is unknown", f"Pass one of {sorted(HARDWARE)}.")
     require(all(prec in ("fp32", "bf16") for prec in precisions), f"precisions={precisions!r}: the planner "
             "considers fp32 and bf16", "Pass a subset of ('fp32', 'bf16').")
+    require(isinstance(tp, int) and tp >= 1 and world_size % tp == 0, f"tp={tp!r} must be a positive int that "
+            f"divides world_size={world_size}", "Pass the tensor-parallel degree, e.g. 2 or 8.")
+    require(tp == 1 or isinstance(tp_plan, dict) and tp_plan, f"tp={tp} needs tp_plan, the parallelize_module "
+            "plan over the model", 'Pass e.g. {"layers.*.attention.wq": ColwiseParallel(), ...}.')
     hw = calibrated(hw, tuple(precisions))
+    if tp > 1:  # TP stays inside a node; each data-parallel group has ranks_per_node // tp ranks there
+        hw = dataclasses.replace(hw, ranks_per_node=max(1, hw.ranks_per_node // tp))
+    dp_world = world_size // tp
     require(strategies is None or all(s in STRATEGIES for s in strategies), f"strategies={strategies!r} names "
             "an unknown strategy", f"Pass a subset of {tuple(STRATEGIES)}.")
     block = repeated_block(model)
     if strategies is None:
         strategies = ("full_shard", "shard_grad_op", "no_shard") + (
-            ("hybrid_shard",) if 1 < hw.ranks_per_node < world_size and world_size % hw.ranks_per_node == 0 else ())
+            ("hybrid_shard",) if 1 < hw.ranks_per_node < dp_world and dp_world % hw.ranks_per_node == 0 else ())
     wraps = ("blocks", "none") if block is not None else ("none",)
-    shapes = {wrap: units_of_plan(model, wrap, block) for wrap in wraps}
+    tp_shapes = tp_local_shapes(model, tp, tp_plan)
+    shapes = {wrap: units_of_plan(model, wrap, block, tp_shapes) for wrap in wraps}
     acts: dict[tuple[str, bool], int] = {}
     for prec in precisions:
         dtype = torch.bfloat16 if prec == "bf16" else torch.float32
-        acts[(prec, False)] = activation_bytes(model, batch, seq, dtype, block, False, hw.device)
+        acts[(prec, False)] = activation_bytes(model, batch, seq, dtype, block, False, hw.device, tp, tp_plan)
         if block is not None:  # backward recomputes one block at a time: its activations, and the
             # gradients flowing back through them (as large), come on top of the blocks' inputs
-            kept = activation_bytes(model, batch, seq, dtype, block, True, hw.device)
+            kept = activation_bytes(model, batch, seq, dtype, block, True, hw.device, tp, tp_plan)
             blocks = sum(type(m) is block for m in model.modules())
             acts[(prec, True)] = kept + 2 * (acts[(prec, False)] - kept) // blocks
     states = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
@@ -477,7 +569,7 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
     candidates = []
     for wrap, strategy, limit, (prec, ck), offload in itertools.product(wraps, strategies, (1, 2), acts, offloads):
         c = Candidate(wrap, strategy, limit, prec, ck, offload)
-        cost(c, shapes[wrap], world=world_size, acts=acts[(prec, ck)], optimizer_states=states, hardware=hw,
+        cost(c, shapes[wrap], world=dp_world, acts=acts[(prec, ck)], optimizer_states=states, hardware=hw,
              tokens=batch * seq)
         c.fits = c.peak <= memory_budget and c.host <= hw.host_memory
         candidates.append(c)
@@ -490,15 +582,20 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
                    f"{'on' if least.checkpointing else 'off'}, offload {'on' if least.offload else 'off'})",
                    f"Give each rank at least {least.peak / 2**20:.0f} MB, use more ranks, or a smaller batch.")
     chosen = min(fitting, key=lambda c: (c.step_s, c.peak))
-    return Plan(chosen, candidates, world_size, int(memory_budget), hw, block)
+    return Plan(chosen, candidates, world_size, int(memory_budget), hw, block, tp)
 
 
-def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard `model` (built like the planned one) as the plan chose: activation checkpointing of
-    each block if chosen, then shard_model with its wrap, strategy, limit and precision."""
+    each block if chosen, then shard_model with its wrap, strategy, limit and precision.
+    `mesh`: as shard_model's; a plan with ``tp`` > 1 needs the data-parallel dims of the mesh
+    whose TP dim the model was parallelized over."""
     c = plan.chosen
+    require(plan.tp == 1 or mesh is not None, f"this plan is for {plan.tp} tensor-parallel ranks; apply_plan "
+            "needs the data-parallel mesh", 'Pass mesh=mesh_2d["dp"] (after parallelize_module(model, '
+            'mesh_2d["tp"], plan)).')
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if c.precision == "bf16" else None
     return shard_model(model, wrap={plan.block} if c.wrap == "blocks" else None, strategy=c.strategy,
                        mp_policy=mp, offload_policy=CPUOffloadPolicy() if c.offload else None,
-                       limit_all_gathers=c.limit_all_gathers, forward_prefetch=True,
+                       limit_all_gathers=c.limit_all_gathers, forward_prefetch=True, mesh=mesh,
                        checkpoint={plan.block} if c.checkpointing and plan.block is not None else False)
