@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fullshard
 from fullshard import FullShardError
@@ -91,14 +91,17 @@ def test_every_misuse_raises_a_clear_error_on_every_rank(world2):
         assert "meta" in got["mixed devices"]
 
 
-def mesh_size_job() -> str:
-    sub = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))["inner"]  # 2 of 4 ranks
-    return raises(lambda: fullshard.fully_shard(nn.Linear(2, 2), mesh=sub))
+def mesh_size_job() -> dict:
+    two = DeviceMesh("cpu", [0, 1])  # a mesh of 2 of the 4 ranks, not part of one over all of them
+    sub = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))["inner"]  # the dp dim of a 2-D mesh
+    return {"two": raises(lambda: fullshard.fully_shard(nn.Linear(2, 2), mesh=two)),
+            "sub": raises(lambda: fullshard.fully_shard(nn.Linear(2, 2), mesh=sub))}
 
 
 def test_mesh_must_span_the_process_group(world4):
-    for message in world4.run(mesh_size_job):
-        assert "2 ranks" in message and "4" in message
+    for got in world4.run(mesh_size_job):
+        assert "2 ranks" in got["two"] and "4" in got["two"], got
+        assert got["sub"] == "", got  # e.g. with tensor parallelism on "outer"
 
 
 def test_no_process_group():
