@@ -118,7 +118,7 @@ def test_compiled_units_train_like_one_process(world2):
 
 
 def inductor_job() -> dict:
-    """Blocks compiled with the default backend (inductor: C++ code generation) after
+    """Units compiled with the default backend (inductor: C++ code generation) after
     shard_model train like one eager process, with fullshard's hooks running around the
     compiled code (at world 1 they finish the step but gather nothing: the aot_eager test
     above shows the gathers at world 2)."""
@@ -146,7 +146,7 @@ def inductor_job() -> dict:
             "graphs": counters["stats"]["unique_graphs"], "steps": steps}
 
 
-def test_blocks_compiled_with_inductor_train_like_one_process(world1):
+def test_units_compiled_with_inductor_train_like_one_process(world1):
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     try:
@@ -158,5 +158,5 @@ def test_blocks_compiled_with_inductor_train_like_one_process(world1):
     assert_parity([got], "adamw")  # compiled kernels round differently from eager ones
     # no graph break, and no frame dynamo gave up on (which the break count does not show)
     assert got["breaks"] == 0 and got["skipped"] == 0, got
-    assert got["graphs"] in (1, 2), got["graphs"]  # over 4 steps: compiled once (per block at most)
-    assert got["steps"] == 1, got  # the root's hooks finished the step around the compiled blocks
+    assert got["graphs"] in (1, 2), got["graphs"]  # over 4 steps: compiled once (per unit at most)
+    assert got["steps"] == 1, got  # the root's hooks finished the step around the compiled units
