@@ -178,15 +178,16 @@ class FSDPModule:
         return units_under(self) if recurse else [self._unit()]
 
     def _apply(self, fn, recurse: bool = True) -> nn.Module:
-        """Module.to_empty / .to moved the shards off the unit's storage: move the unit after them
-        (a meta-built unit gets real storage here, which the user's init then fills)."""
+        """Module.to_empty / .to / .double() moved or converted the shards off the unit's storage:
+        move the unit after them, in their dtype (a meta-built unit gets real storage here, which
+        the user's init then fills). Storages are told apart by identity: an empty shard (a rank
+        holding no row) has no data pointer, as a meta one has none."""
         module = super()._apply(fn, recurse)
         unit = self._unit()
         if unit.params:
             local = unit.params[0].local_shard()
-            if local.device.type != "meta" and local.untyped_storage().data_ptr() != \
-                    unit.shards[0].untyped_storage().data_ptr():
-                unit.materialize(unit.group.device if unit.config.offload else local.device)
+            if local.device.type != "meta" and local.untyped_storage()._cdata != unit.shards[0].untyped_storage()._cdata:
+                unit.materialize(unit.group.device if unit.config.offload else local.device, local.dtype)
         return module
 
     def __deepcopy__(self, memo: dict) -> None:

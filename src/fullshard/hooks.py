@@ -184,7 +184,7 @@ class RootContext:
         if root.group.shard_pg is None:  # no gathers to mismatch
             return
         try:
-            modes = [grad for (grad,) in all_gather_ints([torch.is_grad_enabled()], device=root.compute_device,
+            modes = [grad for (grad,) in all_gather_ints([torch.is_grad_enabled()], device=root.group.device,
                                                          timeout=root.timeout, group=root.group.shard_pg)]
         except CollectiveError as e:
             raise root.failed("check of the first forward", e) from None
@@ -449,6 +449,6 @@ class UnitHooks:
         self.unit.reduced = False
         self.unit.reshard()
         for p in self.unit.params:
-            p.unsharded.grad = None
+            p.unsharded.grad = p.accumulated = None
         self.needs_reduce = False
         self.phase = Phase.IDLE

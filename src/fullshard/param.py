@@ -102,6 +102,7 @@ class ShardedParam:
         self.shard_numel = segment.numel()  # [rows_per_shard * row_numel], see Note [shard layout]
         self.local_shape = torch.Size((local_rows, *self.shape[1:])) if not self.replicated else self.shape
         self.padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
+        self.accumulated: torch.Tensor | None = None  # full gradients held by hold_grad
         local = self.bind(segment, full_segment, original.requires_grad)
         with torch.no_grad():
             local.copy_(values if self.replicated else values[first_row : first_row + local_rows])
@@ -160,34 +161,77 @@ class ShardedParam:
         return value
 
     def full_grad(self) -> torch.Tensor | None:
-        """The full parameter's gradient as a plain tensor of the local part's shape. A TP
-        gradient that is still a partial sum over the TP ranks (a replicated weight applied to
-        sequence-parallel activations) is summed over them first."""
+        """The full parameter's gradient, taken: a plain tensor of the local part's shape,
+        added to what `hold_grad` kept. A TP gradient that is still a partial sum over the TP
+        ranks (a replicated weight applied to sequence-parallel activations) is summed over
+        them first."""
         grad = self.unsharded.grad
-        if grad is None or self.tp_mesh is None:
-            return grad
-        if tuple(grad.placements) != self.tp_placements:  # e.g. Partial()
-            grad = grad.redistribute(placements=self.tp_placements)
-        return grad.to_local()
+        if grad is not None and self.tp_mesh is not None:
+            if tuple(grad.placements) != self.tp_placements:  # e.g. Partial()
+                grad = grad.redistribute(placements=self.tp_placements)
+            grad = grad.to_local()
+        if self.accumulated is not None:
+            if grad is not None:
+                self.accumulated.add_(grad)
+            grad, self.accumulated = self.accumulated, None
+        self.unsharded.grad = None
+        return grad
+
+    def hold_grad(self, dtype: torch.dtype) -> None:
+        """After a backward without gradient sync: keep the full gradient summed in `dtype`, the
+        reduce dtype, as the reduction would sum it; autograd would accumulate micro-batches in
+        the compute dtype (bf16 rounds each sum to 8 bits). A no-op when the two dtypes agree."""
+        grad = self.unsharded.grad
+        if grad is None or local_values(grad).dtype == dtype:
+            return
+        grad = self.full_grad()
+        self.accumulated = grad if grad.dtype == dtype else grad.to(dtype)
+
+    def full_grad_bytes(self) -> int:
+        """Bytes of full gradient this rank holds for the parameter."""
+        grad = self.unsharded.grad
+        return (0 if grad is None else local_values(grad).nbytes) + \
+            (0 if self.accumulated is None else self.accumulated.nbytes)
 
     def local_shard(self) -> torch.Tensor:
         return self.sharded.to_local()
 
-    def check_slots(self, full: bool) -> None:
-        """Refuse a parameter that was replaced behind the unit's back (``module.weight =
-        nn.Parameter(...)`` after sharding): the unit would silently undo the change when it
-        next registers its own. `full`: the unit's full parameters should be registered."""
+    def replacement(self, full: bool) -> torch.Tensor | None:
+        """What a module holds in place of this parameter's shard (`full`: its full parameter),
+        if anything: an assignment or load_state_dict(assign=True) after sharding."""
         mine = self.unsharded if full else self.sharded
-        for module, name in self.slots:
-            if module._parameters.get(name) is not mine:
-                raise fail(f"parameter {self.fqn!r} ({type(module).__name__}.{name}) was replaced after sharding; "
-                           f"fullshard would silently put its own back at the next forward",
-                           "Make such changes before sharding (e.g. crop_block_size or resize_token_embeddings "
-                           "before shard_model), or change values in place inside `with fullshard.full_params(model):`.")
+        return next((module._parameters.get(name) for module, name in self.slots
+                     if module._parameters.get(name) is not mine), None)
+
+    def adopt(self, new: torch.Tensor) -> None:
+        """Make `new`, assigned in the shard's place, the shard, as FSDP2 does: a DTensor laid out
+        as the shard (a sharded state dict's) keeps its object, now over the unit's storage with
+        its values, so an optimizer built from model.parameters() afterwards steps what forward
+        uses; a tensor of the parameter's whole shape gives its rows to the shard, which stays."""
+        same = isinstance(new, DTensor) and new.device_mesh.device_type == self.mesh.device_type and \
+            torch.equal(new.device_mesh.mesh, self.mesh.mesh) and tuple(new.placements) == tuple(self.placements) \
+            and new.shape == self.global_shape  # the same layout over the same ranks, whatever the dim names
+        if not (same or not isinstance(new, DTensor) and new.shape == self.global_shape) or new.is_meta:
+            what = (f"a DTensor placed {tuple(new.placements)} on {new.device_mesh}" if isinstance(new, DTensor)
+                    else f"a tensor of shape {tuple(new.shape)}") + (" on the meta device" if new.is_meta else "")
+            raise fail(f"parameter {self.fqn!r} was replaced after sharding by {what}; fullshard takes a "
+                       f"DTensor placed {tuple(self.placements)} or a tensor of shape {tuple(self.global_shape)} "
+                       f"with values", "Load a state dict of the same sharding (model.state_dict() of a model "
+                       "sharded alike) or of full tensors, or change values in place inside `with "
+                       "fullshard.full_params(model):`.")
+        with torch.no_grad():
+            self.local_shard().copy_(new.to_local() if same else self.rows_of(new))
+        if same and isinstance(new, nn.Parameter):
+            torch.utils.swap_tensors(new, nn.Parameter(self.as_dtensor(self.local_shard()),
+                                                       requires_grad=new.requires_grad))
+            self.sharded = new
+        self.to_sharded()
 
     def to_full(self) -> None:
-        """Register the full parameter on the modules, mirroring the shard's requires_grad."""
-        self.unsharded.requires_grad_(self.sharded.requires_grad)
+        """Register the full parameter on the modules, mirroring the shard's requires_grad (set only
+        when it differs: inside a torch.func transform, setting it on a captured tensor raises)."""
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
         for module, name in self.slots:
             module._parameters[name] = self.unsharded
 

@@ -99,6 +99,7 @@ def reshard_all(model: nn.Module) -> None:
     """Between steps every unit is sharded; one kept full would hold stale or unsaved values."""
     for unit in units_of(model, "state dicts"):
         unit.reshard()
+        unit.adopt_replaced()
 
 
 # ---- model and optimizer state dicts ------------------------------------------------------

@@ -99,9 +99,7 @@ class Unit:
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
         self.shard_numels = [shard_numel(local_values(o.param).shape, group.world) for o in owned]
-        self.master_dtype = owned[0].param.dtype if owned else torch.float32
-        self.compute_dtype = config.param_dtype or self.master_dtype
-        self.reduce_dtype = config.reduce_dtype or self.compute_dtype
+        self.set_master_dtype(owned[0].param.dtype if owned else torch.float32)
         self.compute_device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
         segments = self.allocate()
         self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment) for o, segment in zip(owned, segments)]
@@ -123,6 +121,12 @@ class Unit:
         self.counted_grad_bytes = 0  # full gradient bytes already in stats.full_grad_bytes
 
     # ---- storage -----------------------------------------------------------------
+
+    def set_master_dtype(self, dtype: torch.dtype) -> None:
+        """The shards' dtype, and the compute and reduce dtypes the policy leaves to it."""
+        self.master_dtype = dtype
+        self.compute_dtype = self.config.param_dtype or dtype
+        self.reduce_dtype = self.config.reduce_dtype or self.compute_dtype
 
     def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """New flat storage for the shards (the masters) and the full parameters; returns
@@ -153,11 +157,14 @@ class Unit:
             runtime.active.freed(self.full_flat)
             self.full_flat.untyped_storage().resize_(0)
 
-    def materialize(self, device: torch.device) -> None:
+    def materialize(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
         """Give a unit built on the meta device (or whose parameters Module.to_empty or .to
-        moved) real storage: the shards keep the values they hold now, none for meta."""
+        moved or converted to `dtype`) real storage: the shards keep the values they hold now,
+        none for meta."""
         assert self.state is ShardState.SHARDED, f"materialize() in state {self.state.name}"
         self.compute_device = device
+        if dtype is not None:
+            self.set_master_dtype(dtype)
         for p, segment in zip(self.params, self.allocate()):
             p.rebind(*segment)
         self.release_storage()
@@ -166,7 +173,10 @@ class Unit:
 
     def unshard(self) -> None:
         """Start gathering the full parameters; a no-op when full or already gathering."""
-        if self.state is ShardState.FULL or self.pending is not None or self.full_flat is None:
+        if self.state is ShardState.FULL or self.pending is not None:
+            return
+        self.adopt_replaced()  # before the gather reads the shards
+        if self.full_flat is None:
             return
         if self.debug:
             self.check_agreement(0)
@@ -183,10 +193,17 @@ class Unit:
 
     def wait_unshard(self) -> None:
         """Finish the gather and register the full parameters on the modules."""
-        for p in self.params:
-            p.check_slots(full=self.state is ShardState.FULL)
         if self.state is ShardState.FULL:
+            replaced = next((p for p in self.params if p.replacement(full=True) is not None), None)
+            if replaced is not None:
+                raise fail(f"parameter {replaced.fqn!r} was replaced after sharding, while its unit held its full "
+                           f"parameters (e.g. after a forward without backward); fullshard would silently put its "
+                           f"own back", "Make such changes before sharding (e.g. crop_block_size or "
+                           "resize_token_embeddings before shard_model), between training steps (load_state_dict("
+                           "assign=True) of a sharded or full state dict), or in place inside `with "
+                           "fullshard.full_params(model):`.")
             return
+        self.adopt_replaced()
         if self.full_flat is not None:
             self.unshard()
             start = time.perf_counter()
@@ -202,6 +219,15 @@ class Unit:
         for p in self.params:
             p.to_full()
         self.state = ShardState.FULL
+
+    def adopt_replaced(self) -> None:
+        """Take parameters assigned in the shards' place between steps (load_state_dict(assign=True))
+        as the shards (ShardedParam.adopt); a unit still on the meta device gets storage first."""
+        replaced = [(p, new) for p in self.params if (new := p.replacement(full=False)) is not None]
+        if replaced and self.compute_device.type == "meta" and not replaced[0][1].is_meta:
+            self.materialize(self.group.device if self.config.offload else replaced[0][1].device)
+        for p, new in replaced:
+            p.adopt(new)
 
     def caller(self, kind: int, collective: str) -> Caller:
         """Note [named hangs]: this unit's tag, timeout and name for its collective of `kind` (0: gather, 1: reduce)."""
@@ -239,7 +265,7 @@ class Unit:
         with `mask` a hash of which parameters have gradients) of the same unit at the same step."""
         mine = [self.index, kind, self.step, mask, self.evaluating]
         try:
-            everyone = all_gather_ints(mine, device=self.compute_device, timeout=self.timeout)
+            everyone = all_gather_ints(mine, device=self.group.device, timeout=self.timeout)
         except CollectiveError as e:
             raise self.failed("debug check", e) from None
         if any(theirs != mine for theirs in everyone):
@@ -317,18 +343,20 @@ class Unit:
 
     def count_full_grads(self) -> None:
         """Bring stats.full_grad_bytes up to the full gradients this unit holds now."""
-        held = sum(local_values(p.unsharded.grad).nbytes for p in self.params if p.unsharded.grad is not None)
+        held = sum(p.full_grad_bytes() for p in self.params)
         self.stats.full_grads(held - self.counted_grad_bytes)
         self.counted_grad_bytes = held
 
     def has_full_grads(self) -> bool:
-        return any(p.unsharded.grad is not None for p in self.params)
+        return any(p.unsharded.grad is not None or p.accumulated is not None for p in self.params)
 
     def post_backward(self) -> None:
         """Start reducing (unless gradient sync is off: full gradients then keep accumulating) and reshard."""
         if self.sync_grads:
             self.reduce_grads()
         else:
+            for p in self.params:
+                p.hold_grad(self.reduce_dtype)
             self.count_full_grads()
         if self.reshard_after_backward:
             self.reshard()
@@ -344,11 +372,11 @@ class Unit:
             return
         group = self.group
         numels = [p.shard_numel for p in grad_params]
+        self.count_full_grads()
         full_grads = [p.full_grad() for p in grad_params]
         all_here = all(g is not None for g in full_grads)  # then every reduced flag is set
         if self.debug:
             self.check_agreement(1, sum(1 << i for i, g in enumerate(full_grads) if g is not None) % (1 << 62))
-        self.count_full_grads()
         shard = torch.empty(sum(numels) + len(numels), dtype=self.reduce_dtype,
                             device=self.compute_device)  # [grad_shard_numel + n_flags]
         runtime.active.allocated(shard)
@@ -357,9 +385,7 @@ class Unit:
             pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, replicate),
                                            dp_size=group.dp_size, shard=shard, pool=self.pool,
                                            caller=self.caller(1, "reduce-scatter"))
-            for p in grad_params:
-                p.unsharded.grad = None
-            del full_grads
+            del full_grads  # full_grad() took them
             self.count_full_grads()
         self.pending_reduce = (grad_params, all_here, pending)
 
