@@ -4,6 +4,8 @@ each at world 2 against the unsharded model."""
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -124,3 +126,143 @@ def jvp_job() -> dict:
 def test_forward_mode_autodiff_through_a_sharded_module(world2):
     for got in world2.run(jvp_job):
         assert got["out"] == 0.0 and got["tangent"] == 0.0, got
+
+
+def fsdp2_script_job() -> dict:
+    """A training script written for PyTorch's FSDP2, with only its import changed: per-block
+    fully_shard with FSDP2's defaults, torch's clip_grad_norm_ on the DTensor gradients,
+    accumulation with FSDP2's switches, model.state_dict() saved and loaded with DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.h:
+        fully_shard(block, mesh=mesh, reshard_after_forward=None, mp_policy=MixedPrecisionPolicy(),
+                    offload_policy=OffloadPolicy())
+    fully_shard(model, mesh=mesh)
+    assert isinstance(model, FSDPModule)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses = []
+    for step in range(2):
+        micro = [token_batch(torch.Generator().manual_seed(10 * step + m), 2 * world) for m in range(2)]
+        for m, (x, y) in enumerate(micro):
+            last = m == len(micro) - 1
+            model.set_requires_gradient_sync(last)
+            model.set_is_last_backward(last)
+            (model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)).backward()
+            (reference(x, y) / len(micro)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        losses.append(abs(norm.full_tensor().item() - ref_norm.item()))
+    state = {"model": model.state_dict()}
+    directory = f"/tmp/fullshard_fsdp2_script_{os.getppid()}"
+    dcp.save(state, checkpoint_id=directory)
+    trained = full_state(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    dcp.load(state, checkpoint_id=directory)
+    model.load_state_dict(state["model"])
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    return {"norm": max(losses), "param": max_diff(full_state(model), full_state(reference)),
+            "reloaded": max_diff(full_state(model), trained)}
+
+
+def test_an_fsdp2_training_script_runs_with_only_its_import_changed(world2):
+    for got in world2.run(fsdp2_script_job):
+        assert got["norm"] <= 1e-6 and got["param"] <= 2e-5 and got["reloaded"] == 0.0, got
+
+
+def methods_job() -> dict:
+    """FSDPModule's methods of FSDP2, each against what it promises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    out = {}
+    x, y = batch()
+
+    def sharded(**kwargs) -> nn.Module:
+        torch.manual_seed(0)
+        return fullshard.shard_model(tiny_gpt(), wrap={Block}, **kwargs)
+
+    def gathers(model: nn.Module) -> int:
+        with fullshard.stats(model) as s:
+            model(x, y).backward()
+        return s.gathers
+
+    def grads(model: nn.Module) -> dict:
+        model(x, y).backward()
+        return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    kept = sharded()
+    kept.set_reshard_after_forward(False)
+    out["gathers"] = (gathers(sharded()), gathers(kept))
+    summed = sharded()
+    summed.set_gradient_divide_factor(1.0)
+    calls = []
+    hooked = sharded()
+    for block in hooked.h:
+        block.set_all_reduce_hook(lambda row: (calls.append(row.numel()), row.mul_(2)))
+    plain, total, doubled = grads(sharded()), grads(summed), grads(hooked)
+    out["sum"] = max((total[n] - dist.get_world_size() * plain[n]).abs().max().item() for n in plain)
+    out["hook"] = (len(calls), max((doubled[n] - 2 * plain[n]).abs().max().item() for n in plain if ".h." in n or
+                                   n.startswith("h.")), max((doubled[n] - plain[n]).abs().max().item()
+                                                            for n in plain if not n.startswith("h.")))
+    # an exception in backward, reset_iter_state, then the step again: as if nothing happened
+    failing = sharded()
+    failing.h[1].register_full_backward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        failing(x, y).backward()
+    except RuntimeError:
+        failing.reset_iter_state()
+    failing.h[1]._backward_hooks.clear()
+    failing.zero_grad()
+    again = grads(failing)
+    out["reset"] = max((again[n] - plain[n]).abs().max().item() for n in plain)
+    # state_dict after a forward whose backward never came: still the shards
+    shown = sharded()
+    shown(x, y)
+    out["state_dict"] = all(isinstance(v, DTensor) for k, v in shown.state_dict().items() if k.endswith("weight"))
+    # a method that computes without forward, registered to gather around it
+    scored = sharded()
+    scored.embed = lambda idx: scored.wte(idx) + scored.wpe(torch.arange(idx.shape[1]))
+    fullshard.register_fsdp_forward_method(scored, "embed")
+    with torch.no_grad():
+        out["method"] = tuple(scored.embed(x).shape)
+    # a 2-D mesh of any dim names is (replicate, shard); ignored parameters stay plain
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp_replicate", "dp_shard"))
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    fullshard.fully_shard(model, mesh=mesh, ignored_params={model.wpe.weight})
+    out["mesh"] = [repr(p) for p in model.wte.weight.placements]
+    out["ignored"] = type(model.wpe.weight).__name__
+    out["placement"] = raises(lambda: fullshard.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))
+    fullshard.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0))
+    out["list"] = raises(lambda: fullshard.fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    out["not offered"] = raises(lambda: kept.set_custom_all_gather(None))
+    return out
+
+
+def test_fsdp2_methods_do_what_fsdp2_documents(world2):
+    for got in world2.run(methods_job):
+        assert got["gathers"][1] < got["gathers"][0], got  # the blocks are not gathered again in backward
+        assert got["sum"] <= 1e-6, got
+        calls, hooked, others = got["hook"]
+        assert calls == 2 and hooked <= 1e-6 and others == 0.0, got  # once per block unit, in place
+        assert got["reset"] <= 1e-6 and got["state_dict"] and got["method"] == (2, 8, 30), got
+        assert got["mesh"] == ["Replicate()", "Shard(dim=0)"] and got["ignored"] == "Parameter", got
+        assert "Shard(0)" in got["placement"] and "one module" in got["list"], got
+        assert "does not offer" in got["not offered"], got

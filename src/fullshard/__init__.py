@@ -1,9 +1,9 @@
 """fullshard: Fully Sharded Data Parallel training for PyTorch (Zhao et al., 2023)."""
 
-from fullshard.api import FSDPModule, UnshardHandle, fully_shard
+from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from fullshard.errors import FullShardError
 from fullshard.planner import Hardware, Plan, apply_plan, plan
-from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.state_dict import (checkpoint_dir, export, get_state_dict, init_weights_from, load, save,
                                   set_state_dict)
 from fullshard.stats import Stats
@@ -17,6 +17,7 @@ __all__ = [
     "GradScaler",
     "Hardware",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "Plan",
     "Stats",
     "UnshardHandle",
@@ -31,6 +32,7 @@ __all__ = [
     "load",
     "no_sync",
     "plan",
+    "register_fsdp_forward_method",
     "save",
     "set_state_dict",
     "shard_model",

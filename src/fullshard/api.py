@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import zlib
 from typing import Iterable
 
-import zlib
 from datetime import timedelta
 
 import torch
@@ -16,9 +18,9 @@ from fullshard import runtime
 from fullshard.collectives import all_gather_ints, all_gather_json
 
 from fullshard.errors import fail
-from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, unit_hooks, units_under
+from fullshard.hooks import HOOKS_ATTR, Phase, Schedule, UnitHooks, unit_hooks, units_under
 from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group
-from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.runtime import CollectiveError
 from fullshard.param import local_values
 from fullshard.unit import OwnedParam, Unit, UnitConfig, unit_of
@@ -38,6 +40,16 @@ class UnshardHandle:
 
     def wait(self) -> None:
         self._unit.wait_unshard()
+
+
+def not_offered(name: str, why: str):
+    """An FSDPModule method of FSDP2's that fullshard does not offer: calling it says why."""
+    def method(self, *args, **kwargs) -> None:
+        raise fail(f"{name} is an FSDP2 method fullshard does not offer: {why}",
+                   "Drop the call (docs/migrating.md lists every difference from FSDP2).")
+    method.__name__ = name
+    method.__doc__ = f"Not offered: {why} (docs/migrating.md)."
+    return method
 
 
 class FSDPModule:
@@ -111,6 +123,104 @@ class FSDPModule:
         """
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free the full parameters after forward (``True``) or keep them until backward.
+
+        The root unit keeps them either way (the backward starts with it at once).
+
+        Args:
+            reshard_after_forward: as ``fully_shard``'s, a bool.
+            recurse: apply to every unit in this module's subtree.
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise fail(f"set_reshard_after_forward({reshard_after_forward!r}) takes a bool",
+                       "Pass True or False (an int k is given to fully_shard).")
+        for unit in self._units(recurse):
+            unit.config = dataclasses.replace(unit.config, free_after_forward=reshard_after_forward,
+                                              post_forward_world=1)
+            hooks = unit_hooks(unit.module)
+            hooks.free_after_forward = reshard_after_forward and not hooks.is_root
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's hint that the next backward ends an accumulation, accepted for its code: fullshard
+        finishes every backward's reductions at its end (they land on the shards' gradients
+        before ``backward()`` returns), whatever this says."""
+        if not isinstance(is_last_backward, bool):
+            raise fail(f"set_is_last_backward({is_last_backward!r}) takes a bool", "Pass True or False.")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Skip the gather before this unit's backward (``False``) when backward needs none of its
+        parameters, e.g. an embedding's; its gradients are still reduced.
+
+        Args:
+            unshard_in_backward: ``False`` gathers nothing in backward.
+        """
+        self._unit().unshard_in_backward = bool(unshard_in_backward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradients by `factor` instead of the data-parallel size.
+
+        Args:
+            factor: a positive number (1.0: the sum over ranks).
+        """
+        if not (isinstance(factor, (int, float)) and factor > 0):
+            raise fail(f"set_gradient_divide_factor({factor!r}): the factor must be a positive number",
+                       "Pass e.g. 1.0 for the sum over ranks.")
+        for unit in self._units(True):
+            unit.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """Call ``hook(reduced)`` on each of this unit's reduced gradient rows (this rank's shard,
+        after the reduction across replicas when hybrid), before they land on the gradients;
+        the hook may change the row in place, e.g. all-reduce it over a group of your own.
+
+        Args:
+            hook: ``hook(reduce_output: torch.Tensor) -> None``.
+            stream: not taken: the hook runs on the stream the reduction finished on.
+        """
+        if not callable(hook) or stream is not None:
+            raise fail("set_all_reduce_hook takes a callable and no stream",
+                       "Pass hook(reduce_output) -> None; it runs where the reduction finished.")
+        for unit in self._units(False):
+            unit.all_reduce_hook = hook
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: reshard every unit, drop gathers and
+        reductions in flight and the step's full gradients, so the next step runs normally.
+        Call it on the root (the outermost unit)."""
+        hooks = unit_hooks(self)
+        if hooks.ctx is not None and not hooks.is_root:
+            raise fail("reset_iter_state() was called on a unit that is not the root",
+                       "Call it on the outermost sharded module (the one whose forward you call).")
+        if hooks.ctx is not None:
+            hooks.ctx.reset()
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with sums only (``True``), dividing afterwards, never NCCL's average; on gloo
+        fullshard always does."""
+        for unit in self._units(True):
+            unit.force_sum = bool(enable)
+
+    set_custom_all_gather = not_offered("set_custom_all_gather", "a unit's gather is fullshard's own (one "
+                                        "all-gather, or point-to-point on gloo), not a pluggable collective")
+    set_custom_reduce_scatter = not_offered("set_custom_reduce_scatter", "a unit's reduction is fullshard's own; "
+                                            "set_all_reduce_hook runs your code on its result")
+    set_post_optim_event = not_offered("set_post_optim_event", "the gathers wait for the compute stream, which "
+                                       "the optimizer step ran on; no event is needed")
+    set_reduce_scatter_unused_params = not_offered("set_reduce_scatter_unused_params", "parameters no rank has a "
+                                                   "gradient for keep theirs, by the has-gradient flags")
+    set_reduce_scatter_max_input_buffers = not_offered("set_reduce_scatter_max_input_buffers", "fullshard's "
+                                                       "buffer pool sizes itself")
+    set_separate_reduce_scatter_group = not_offered("set_separate_reduce_scatter_group", "reductions run on the "
+                                                    "shard group's own stream already")
+    set_allocate_memory_from_process_group_for_comm = not_offered(
+        "set_allocate_memory_from_process_group_for_comm", "communication buffers come from fullshard's pool")
+    set_symm_mem_for_comm = not_offered("set_symm_mem_for_comm", "symmetric-memory collectives are not used")
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these units, in this order, when this unit's forward starts.
@@ -221,6 +331,49 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
                    f"ranks, so every rank would train its own copy of them",
                    "Call fully_shard on the root module too, last (after its blocks), or use fullshard.shard_model, "
                    "whose root is always a unit.")
+
+
+def check_placements(owned: list[OwnedParam], shard_placement_fn) -> None:
+    """Refuse a shard_placement_fn that asks for anything but fullshard's rows (Shard(0))."""
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+
+    for o in owned:
+        placement = shard_placement_fn(o.param)
+        if placement is not None and placement != Shard(0):
+            raise fail(f"shard_placement_fn asked for {placement} for {o.fqn!r}; fullshard shards every parameter "
+                       f"by rows (Shard(0))", "Return None or Shard(0), or drop shard_placement_fn "
+                       "(docs/migrating.md).")
+
+
+def reshard_for_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """model.state_dict() between steps returns the shards, also of a unit a forward left full
+    (the root's, kept for a backward that has not come) or whose parameters were assigned."""
+    hooks = unit_hooks(module)
+    if hooks.phase is Phase.IDLE and hooks.shown is None:
+        hooks.unit.reshard()
+        hooks.unit.adopt_replaced()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` (e.g. Hugging Face's ``generate``) gather and free the
+    unit's parameters around it as its forward does, for methods that compute without
+    calling ``forward`` through ``__call__``.
+
+    Args:
+        module: a module ``fully_shard`` made a unit.
+        method_name: the method to wrap, on this module object.
+    """
+    if not isinstance(module, FSDPModule):
+        raise fail(f"register_fsdp_forward_method needs a unit, got a {type(module).__name__}",
+                   "Call fully_shard (or shard_model) on the module first.")
+    hooks, original = unit_hooks(module), getattr(module, method_name)
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        args, kwargs = hooks.pre_forward(module, args, kwargs)
+        return hooks.post_forward(module, args, original(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
 
 
 def prefetch_targets(modules: list[nn.Module], what: str) -> list[UnitHooks]:
@@ -379,9 +532,11 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: torch.distributed.device_mesh.DeviceMesh | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = True,
+    shard_placement_fn=None,
     mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: CPUOffloadPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
     _exclude: Iterable[nn.Parameter] = (),
     _schedule: Schedule = Schedule(),
 ) -> nn.Module:
@@ -407,30 +562,44 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the full parameters after forward and gathers
             them again for backward; ``False`` keeps them until the end of backward; an
             ``int`` k keeps 1/k of them, so the gather before backward stays inside groups
-            of k consecutive ranks (e.g. a node). A forward without autograd
-            (``torch.no_grad()``) always frees them.
+            of k consecutive ranks (e.g. a node); ``None`` (FSDP2's default) is ``True``, the
+            root keeping them either way. A forward without autograd (``torch.no_grad()``)
+            always frees them.
+        shard_placement_fn: FSDP2's per-parameter placement; fullshard shards dim 0 only, so
+            it may return ``None`` or ``Shard(0)``.
         mp_policy: a :class:`MixedPrecisionPolicy`.
         offload_policy: a :class:`CPUOffloadPolicy`.
+        ignored_params: parameters under `module` that stay as they are: not sharded, not
+            moved, their gradients not reduced.
 
     Raises:
         FullShardError: before anything changes, when the module is already sharded, a
             parameter belongs to another unit, the mesh does not fit the process group,
             or the parameters are on different devices or of different dtypes.
     """
+    if isinstance(module, (list, tuple)):
+        raise fail("fully_shard takes one module; FSDP2's list of modules sharing one unit is not offered",
+                   "Shard each module as its own unit, or their common parent (docs/migrating.md).")
     if isinstance(module, FSDPModule):
         raise fail(f"this {type(module).__name__} is already sharded",
                    "Call fully_shard once per module, inner modules first and the root last.")
+    if reshard_after_forward is None:  # FSDP2's default: free, except the root's (which fullshard always keeps)
+        reshard_after_forward = True
     if type(reshard_after_forward) not in (bool, int):
         raise fail(f"reshard_after_forward={reshard_after_forward!r} is not a bool or an int",
                    "Pass True (free after forward), False (keep until after backward) or an int k (keep "
                    "1/k after forward, gathered in backward inside groups of k ranks).")
     for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
-                               ("offload_policy", offload_policy, CPUOffloadPolicy)):
+                               ("offload_policy", offload_policy, OffloadPolicy)):
         if policy is not None and not isinstance(policy, kind):
             raise fail(f"{name} must be a fullshard.{kind.__name__} or None, got {type(policy).__name__}",
                        f"Pass fullshard.{kind.__name__}(...).")
+    if ignored_params is not None and not all(isinstance(p, nn.Parameter) for p in ignored_params):
+        raise fail("ignored_params must be a set of the module's nn.Parameters", "Pass e.g. {model.head.weight}.")
     global _optimizer_hook
-    owned = owned_params(module, _exclude)
+    owned = owned_params(module, [*_exclude, *(ignored_params or ())])
+    if shard_placement_fn is not None:
+        check_placements(owned, shard_placement_fn)
     group = shard_group(mesh)
     check_owned(module, owned, group)
     check_ranks_agree(f"this {type(module).__name__}",
@@ -455,8 +624,8 @@ def fully_shard(
         reduce_dtype=mp.reduce_dtype,
         input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
         output_dtype=mp.output_dtype,
-        offload=offload_policy is not None,
-        pin_memory=offload_policy is not None and offload_policy.pin_memory,
+        offload=isinstance(offload_policy, CPUOffloadPolicy),
+        pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
     )
     unit = Unit(module, owned, group, config)
     move_buffers(module, group.device)
@@ -464,6 +633,7 @@ def fully_shard(
         _OWNER[o.param] = f"{type(module).__name__} (as {o.fqn!r})"
     module.__class__ = fsdp_class(type(module))
     module.__dict__[HOOKS_ATTR] = UnitHooks(unit, _schedule)
+    module.register_state_dict_pre_hook(reshard_for_state_dict)
     if _optimizer_hook is None:
         _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer_step)
     return module

@@ -133,18 +133,19 @@ def barrier(timeout: timedelta, what: str) -> None:
 class Averaging:
     """How a reduction over `summed_over` ranks becomes the average over dp_size (Note [averaging])."""
 
-    divide_first: bool  # divide the rows by dp_size before the sum
+    divide_first: bool  # divide the rows by the divisor before the sum
     op: dist.ReduceOp  # of the collectives
-    divide_after: int  # what the result is still to be divided by
+    divide_after: float  # what the result is still to be divided by
 
 
-def averaging(backend: str, dtype: torch.dtype, *, dp_size: int, summed_over: int) -> Averaging:
-    """Note [averaging] for a reduction over `summed_over` of the `dp_size` data-parallel ranks."""
-    if dtype == torch.float16 and dp_size > 1:
+def averaging(backend: str, dtype: torch.dtype, *, dp_size: int, summed_over: int, divide_by: float) -> Averaging:
+    """Note [averaging] for a reduction over `summed_over` of the `dp_size` data-parallel ranks,
+    divided by `divide_by` (dp_size, or a factor set_gradient_divide_factor gave)."""
+    if dtype == torch.float16 and divide_by != 1:
         return Averaging(True, dist.ReduceOp.SUM, 1)
-    if backend == "nccl" and summed_over > 1:  # gloo has no AVG
+    if backend == "nccl" and summed_over > 1 and divide_by == dp_size:  # gloo has no AVG
         return Averaging(False, dist.ReduceOp.AVG, dp_size // summed_over)
-    return Averaging(False, dist.ReduceOp.SUM, dp_size)
+    return Averaging(False, dist.ReduceOp.SUM, divide_by)
 
 
 class BufferPool:
@@ -318,7 +319,7 @@ class PendingReduce:
     stream: torch.cuda.Stream | None  # the reduce stream
     replicate_group: dist.ProcessGroup | None
     op: dist.ReduceOp  # of both collectives, Note [averaging]
-    divide_after: int  # what the result is still to be divided by
+    divide_after: float  # what the result is still to be divided by
     caller: Caller
     all_reduce_works: list | None = None  # across replicas, once issued
     all_reduce_stream: torch.cuda.Stream | None = None
@@ -331,6 +332,8 @@ def reduce_scatter_grads(
     *,
     groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None],
     dp_size: int,
+    divide_by: float,
+    force_sum: bool,
     shard: torch.Tensor,
     pool: BufferPool,
     caller: Caller,
@@ -339,8 +342,8 @@ def reduce_scatter_grads(
     rank's row ([grad_shard_numel + n_flags], of the reduce dtype, allocated on the
     compute stream), then all-reducing it across replicas (hybrid sharding, no_shard).
 
-    `groups` is (shard group, replicate group); the result is divided by `dp_size`, the
-    data-parallel size (eq. 1 of the paper). On gloo a rank's own row is packed straight
+    `groups` is (shard group, replicate group); the result is divided by `divide_by`: `dp_size`,
+    the data-parallel size (eq. 1 of the paper), unless set_gradient_divide_factor said otherwise. On gloo a rank's own row is packed straight
     into the result, which then adds the peers' rows (Note [collective choice]); the
     result is averaged as Note [averaging] says.
     """
@@ -361,12 +364,13 @@ def reduce_scatter_grads(
     group = shard_group or replicate_group
     backend = "gloo" if group is None or p2p else dist.get_backend(group)
     summed_over = world * (replicate_group.size() if replicate_group is not None else 1)
-    how = averaging(backend, dtype, dp_size=dp_size, summed_over=summed_over)
+    how = averaging("sum only" if force_sum else backend, dtype, dp_size=dp_size, summed_over=summed_over,
+                    divide_by=divide_by)
     op, divide_after = how.op, how.divide_after
     if how.divide_first:
         for rows in (sent, shard if own else None):
             if rows is not None:
-                rows.div_(dp_size)
+                rows.div_(divide_by)
                 rt.writes(rows)
     rt.wait_stream(stream, compute)  # Note [streams]: the rows were packed on the compute stream
     with rt.use(stream):
@@ -425,7 +429,7 @@ def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
     last = pending.all_reduce_stream or stream
     with rt.use(last):
         wait_all(pending.all_reduce_works or [], pending.caller, on_device=last is not None)
-        if pending.divide_after > 1:
+        if pending.divide_after != 1:
             shard.div_(pending.divide_after)
             rt.writes(shard)
     rt.wait_stream(rt.current_stream(shard.device), last)

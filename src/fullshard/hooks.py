@@ -316,11 +316,15 @@ class RootContext:
     def recover(self) -> None:
         """A backward that raised never ran the final callback: start the next step clean."""
         if self.callback_queued:
-            for hooks in self.units:
-                hooks.reset()
-            self.drop_unused_prefetches()
-            self.reducing = None
-            self.callback_queued = False
+            self.reset()
+
+    def reset(self) -> None:
+        """Drop the step in flight: every unit sharded, no gather or reduction pending, no full gradient."""
+        for hooks in self.units:
+            hooks.reset()
+        self.drop_unused_prefetches()
+        self.reducing = None
+        self.callback_queued = False
 
 
 class UnitHooks:
@@ -420,10 +424,12 @@ class UnitHooks:
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             self.ctx.record(self)
-            self.unit.unshard()
+            if self.unit.unshard_in_backward:
+                self.unit.unshard()
             if self.ctx.schedule.prefetch_before_backward:
                 self.ctx.prefetch_backward(self)
-            self.unit.wait_unshard()
+            if self.unit.unshard_in_backward:
+                self.unit.wait_unshard()
 
     def post_backward(self) -> None:
         if self.ctx.schedule.prefetch_after_backward:

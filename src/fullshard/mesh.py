@@ -157,17 +157,17 @@ def build_mesh(mesh_dims: tuple[str, ...]) -> DeviceMesh:
 
 
 def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
-    """Role of each mesh dim: unnamed 1-D meshes shard, unnamed 2-D meshes are hybrid."""
+    """Role of each mesh dim: a 1-D mesh shards (unless named ("replicate",)), a 2-D mesh replicates
+    over its first dim and shards over its second."""
     names = mesh.mesh_dim_names
     if mesh.ndim == 1:
         if names in (None, ("shard",), ("replicate",)):
             return names or ("shard",)
         return ("shard",)
-    if mesh.ndim == 2 and names in (None, ("replicate", "shard")):
+    if mesh.ndim == 2:  # as FSDP2: by position, whatever the names (e.g. ("dp_replicate", "dp_shard"))
         return ("replicate", "shard")
     raise fail(
-        f"a data-parallel mesh must be 1-D or 2-D with dims ('replicate', 'shard'); got "
-        f"{mesh.ndim}-D with dims {names}",
+        f"a data-parallel mesh must be 1-D, or 2-D (replicate, shard); got {mesh.ndim}-D with dims {names}",
         'Build it with init_device_mesh(device, (replicas, shard_size), mesh_dim_names=("replicate", "shard")).',
     )
 

@@ -39,7 +39,12 @@ class MixedPrecisionPolicy:
 
 
 @dataclass(frozen=True)
-class CPUOffloadPolicy:
+class OffloadPolicy:
+    """No offloading (FSDP2's default ``offload_policy``): shards stay on the compute device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters, their gradients and so the optimizer step on the CPU.
 
     Args:

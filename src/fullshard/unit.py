@@ -118,6 +118,10 @@ class Unit:
         self.owes_all_reduce = False
         self.reduced = False  # a reduction finished in this backward (hooks settle the all-reduce once)
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # False: backward needs none of the unit's parameters (e.g. embeddings)
+        self.divide_factor: float | None = None  # gradients are divided by this, not the data-parallel size
+        self.force_sum = False  # reduce with sums and divide after, never NCCL's average
+        self.all_reduce_hook = None  # called on each reduced gradient row (FSDP2's set_all_reduce_hook)
         self.counted_grad_bytes = 0  # full gradient bytes already in stats.full_grad_bytes
 
     # ---- storage -----------------------------------------------------------------
@@ -383,7 +387,9 @@ class Unit:
         replicate = group.replicate_pg if self.all_reduce_grads and not self.owes_all_reduce else None
         with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
             pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, replicate),
-                                           dp_size=group.dp_size, shard=shard, pool=self.pool,
+                                           dp_size=group.dp_size, divide_by=self.divide_factor or group.dp_size,
+                                           force_sum=self.force_sum,
+                                           shard=shard, pool=self.pool,
                                            caller=self.caller(1, "reduce-scatter"))
             del full_grads  # full_grad() took them
             self.count_full_grads()
@@ -408,6 +414,9 @@ class Unit:
         self.stats.wait_s += time.perf_counter() - start
         rt = runtime.active
         rt.reads(shard)
+        if self.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
+            self.all_reduce_hook(shard[: shard.numel() - len(grad_params)])
+            rt.writes(shard)
         if self.nonfinite is not None:  # on the device: hooks read every unit's at once, Note [host syncs]
             finite = torch.isfinite(shard).all()
             self.finite = finite if self.finite is None else self.finite & finite
