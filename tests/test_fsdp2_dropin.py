@@ -266,3 +266,29 @@ def test_fsdp2_methods_do_what_fsdp2_documents(world2):
         assert got["mesh"] == ["Replicate()", "Shard(dim=0)"] and got["ignored"] == "Parameter", got
         assert "Shard(0)" in got["placement"] and "one module" in got["list"], got
         assert "does not offer" in got["not offered"], got
+
+
+def replicate_job() -> dict:
+    """replicate() (DDP, composable) over a model whose blocks are fullshard units: it
+    all-reduces the rest, leaves the units' gradients to them, and trains like one process."""
+    from torch.distributed._composable.replicate import replicate
+
+    from tests.reference import global_batches, train
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    reference = copy.deepcopy(model)
+    for block in model.h:
+        fullshard.fully_shard(block)
+    replicate(model)
+    batches = global_batches(lambda g, b: token_batch(g, b), 3, 4)
+    got = train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, lambda m, b: m(*b),
+                world=dist.get_world_size())
+    want = train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches, lambda m, b: m(*b))
+    return {"loss": max(abs(g - w) for g, w in zip(got, want)), "param": max_diff(full_state(model),
+                                                                                  full_state(reference))}
+
+
+def test_replicate_over_fullshard_units_reduces_each_gradient_once(world2):
+    for got in world2.run(replicate_job):
+        assert got["loss"] <= 1e-6 and got["param"] <= 2.5e-7, got

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import zlib
 from typing import Iterable
 
@@ -11,6 +12,7 @@ from datetime import timedelta
 
 import torch
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -319,18 +321,36 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
                 sharded = True
             elif p in _OWNER:
                 stale.append(_OWNER[p])
-            elif p.grad is not None:
-                unaveraged.append(tuple(p.shape))
+            elif p.grad is not None and p not in _DDP_AVERAGED:
+                unaveraged.append(p)
     if stale:
         raise fail(f"this {type(optimizer).__name__} holds {len(stale)} parameters that fully_shard replaced "
                    f"(e.g. {stale[0]}), so its steps would never change the model",
                    "Build the optimizer after shard_model / fully_shard, from model.parameters().")
     if sharded and unaveraged and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        unaveraged = [p for p in unaveraged if p not in ddp_averaged()]
+    if sharded and unaveraged and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        shapes = [tuple(p.shape) for p in unaveraged[:6]]
         raise fail(f"this {type(optimizer).__name__} steps on {len(unaveraged)} parameters that no unit manages "
-                   f"(shapes {unaveraged[:6]}) next to sharded ones: their gradients were not averaged across "
+                   f"(shapes {shapes}) next to sharded ones: their gradients were not averaged across "
                    f"ranks, so every rank would train its own copy of them",
                    "Call fully_shard on the root module too, last (after its blocks), or use fullshard.shard_model, "
                    "whose root is always a unit.")
+
+
+_DDP_AVERAGED = WeakIdKeyDictionary()  # parameters a DistributedDataParallel (e.g. replicate()'s) averages
+
+
+def ddp_averaged() -> WeakIdKeyDictionary:
+    """Parameters that live DistributedDataParallel instances (torch's replicate() makes one)
+    average. Found by a scan of the heap, on the path that would otherwise refuse the step,
+    and remembered, so a model that composes with DDP pays for it once."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            _DDP_AVERAGED.update((p, True) for p in obj.parameters() if p.requires_grad)
+    return _DDP_AVERAGED
 
 
 def check_placements(owned: list[OwnedParam], shard_placement_fn) -> None:
@@ -634,6 +654,9 @@ def fully_shard(
     module.__class__ = fsdp_class(type(module))
     module.__dict__[HOOKS_ATTR] = UnitHooks(unit, _schedule)
     module.register_state_dict_pre_hook(reshard_for_state_dict)
+    # PyTorch's composable APIs look here for what manages a module: replicate() leaves a unit's
+    # parameters to it, as it does FSDP2's (it would all-reduce their gradients a second time)
+    module.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
     if _optimizer_hook is None:
         _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer_step)
     return module
