@@ -119,11 +119,15 @@ def test_averaging_uses_nccl_avg_and_divides_fp16_first():
     avg, summed = torch.distributed.ReduceOp.AVG, torch.distributed.ReduceOp.SUM
     # NCCL averages inside the collectives: nothing left to divide, or the replicas whose
     # all-reduce is deferred (set_requires_all_reduce(False)); gloo sums, then divides
-    assert averaging("nccl", torch.bfloat16, dp_size=8, summed_over=8) == Averaging(False, avg, 1)
-    assert averaging("nccl", torch.float32, dp_size=8, summed_over=4) == Averaging(False, avg, 2)
-    assert averaging("gloo", torch.bfloat16, dp_size=8, summed_over=8) == Averaging(False, summed, 8)
-    assert averaging("nccl", torch.float16, dp_size=8, summed_over=8) == Averaging(True, summed, 1)
-    assert averaging("nccl", torch.float32, dp_size=1, summed_over=1) == Averaging(False, summed, 1)
+    assert averaging("nccl", torch.bfloat16, dp_size=8, summed_over=8, divide_by=8) == Averaging(False, avg, 1)
+    assert averaging("nccl", torch.float32, dp_size=8, summed_over=4, divide_by=8) == Averaging(False, avg, 2)
+    assert averaging("gloo", torch.bfloat16, dp_size=8, summed_over=8, divide_by=8) == Averaging(False, summed, 8)
+    assert averaging("nccl", torch.float16, dp_size=8, summed_over=8, divide_by=8) == Averaging(True, summed, 1)
+    assert averaging("nccl", torch.float32, dp_size=1, summed_over=1, divide_by=1) == Averaging(False, summed, 1)
+    # set_gradient_divide_factor and set_force_sum_reduction_for_comms: NCCL's AVG divides by the
+    # ranks it sums over, so another divisor (or sums only) sums and divides after
+    assert averaging("nccl", torch.bfloat16, dp_size=8, summed_over=8, divide_by=2.5) == Averaging(False, summed, 2.5)
+    assert averaging("sum only", torch.bfloat16, dp_size=8, summed_over=8, divide_by=8) == Averaging(False, summed, 8)
 
 
 def bf16_rounding_job() -> dict:

@@ -97,8 +97,8 @@ def collectives_job(seed: int) -> dict:
     grads.append(None)  # no rank has it
     numels = [p.numel() // world for p in padded] + [1, 1, 1]
     shard = torch.empty(sum(numels) + len(numels))
-    pending = reduce_scatter_grads(grads, numels, groups=(group, None), dp_size=world, shard=shard, pool=pool,
-                                   caller=Caller(p2p_tag(0, 1), TIMEOUT))
+    pending = reduce_scatter_grads(grads, numels, groups=(group, None), dp_size=world, divide_by=world,
+                                   force_sum=False, shard=shard, pool=pool, caller=Caller(p2p_tag(0, 1), TIMEOUT))
     shard = finish_reduce(pending, pool)
     all_grads = [[torch.zeros_like(g) for _ in range(world)] for g in grads[:3]]
     for bucket, g in zip(all_grads, grads[:3]):
