@@ -251,7 +251,6 @@ def methods_job() -> dict:
     out["ignored"] = type(model.wpe.weight).__name__
     out["placement"] = raises(lambda: fullshard.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))
     fullshard.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0))
-    out["list"] = raises(lambda: fullshard.fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)]))
     out["not offered"] = raises(lambda: kept.set_custom_all_gather(None))
     return out
 
@@ -264,7 +263,7 @@ def test_fsdp2_methods_do_what_fsdp2_documents(world2):
         assert calls == 2 and hooked <= 1e-6 and others == 0.0, got  # once per block unit, in place
         assert got["reset"] <= 1e-6 and got["state_dict"] and got["method"] == (2, 8, 30), got
         assert got["mesh"] == ["Replicate()", "Shard(dim=0)"] and got["ignored"] == "Parameter", got
-        assert "Shard(0)" in got["placement"] and "one module" in got["list"], got
+        assert "Shard(0)" in got["placement"], got
         assert "does not offer" in got["not offered"], got
 
 
@@ -292,3 +291,42 @@ def replicate_job() -> dict:
 def test_replicate_over_fullshard_units_reduces_each_gradient_once(world2):
     for got in world2.run(replicate_job):
         assert got["loss"] <= 1e-6 and got["param"] <= 2.5e-7, got
+
+
+def group_job() -> dict:
+    """fully_shard([norm, head]) as one unit (torchtitan's way with a final norm and output
+    head): one gather per forward and one per backward for both, trains like one process."""
+    from tests.reference import global_batches, train
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 4))
+
+    def loss_fn(model: nn.Module, b) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(b[0]), b[1])
+
+    model, reference = build(), build()
+    fullshard.fully_shard(model[0])
+    grouped = fullshard.fully_shard([model[2], model[3]])
+    fullshard.fully_shard(model)
+    batches = global_batches(lambda g, n: (torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)),
+                             3, 8)
+    got = train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, loss_fn, world=dist.get_world_size())
+    want = train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches, loss_fn)
+    with fullshard.stats(model) as s:
+        loss_fn(model, batches[0]).backward()
+        gathers = s.gathers
+    return {"loss": max(abs(g - w) for g, w in zip(got, want)), "param": max_diff(full_state(model),
+                                                                                  full_state(reference)),
+            "gathers": gathers, "same unit": fullshard.api.unit_hooks(grouped[0]) is fullshard.api.unit_hooks(grouped[1]),
+            "types": [type(m).__name__ for m in grouped]}
+
+
+def test_a_group_of_modules_is_one_unit(world2):
+    for got in world2.run(group_job):
+        assert got["loss"] <= 1e-6 and got["param"] <= 2.5e-7, got
+        # the root (no parameters of its own: 1 empty gather), model[0] (forward and backward: 2)
+        # and the group, which ran last and so is kept until its backward (1): its two modules
+        # gather together, where two units would gather 3 times
+        assert got["gathers"] == 4 and got["same unit"], got
+        assert got["types"] == ["FSDPLayerNorm", "FSDPLinear"], got

@@ -446,10 +446,24 @@ def owned_params(module: nn.Module, exclude: Iterable[nn.Parameter] = ()) -> lis
     return list(owned.values())
 
 
-def check_owned(module: nn.Module, owned: list[OwnedParam], group: ShardGroup) -> None:
+def owned_by(modules: list[nn.Module], exclude: Iterable[nn.Parameter]) -> list[OwnedParam]:
+    """owned_params of one module, or of a module group (Note [module groups]), whose members'
+    names are prefixed by their position ("[1].weight") and whose shared parameters count once."""
+    if len(modules) == 1:
+        return owned_params(modules[0], exclude)
+    merged: dict[nn.Parameter, OwnedParam] = {}
+    for i, module in enumerate(modules):
+        for o in owned_params(module, exclude):
+            if o.param in merged:
+                merged[o.param].slots.extend(slot for slot in o.slots if slot not in merged[o.param].slots)
+            else:
+                merged[o.param] = OwnedParam(o.param, f"[{i}].{o.fqn}", o.slots)
+    return list(merged.values())
+
+
+def check_owned(what: str, owned: list[OwnedParam], group: ShardGroup) -> None:
     """Refuse parameters that another unit manages, that cannot be communicated in one buffer,
     or DTensors of a parallelism fullshard cannot shard further."""
-    what = type(module).__name__
     for o in owned:
         if o.param in _OWNER:
             raise fail(
@@ -549,7 +563,7 @@ def compare_ranks(what: str, described: list[tuple], sums: list[int], device: to
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: torch.distributed.device_mesh.DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = True,
@@ -573,7 +587,8 @@ def fully_shard(
 
     Args:
         module: the module to shard; it is returned, with its class swapped to a subclass
-            of both ``FSDPModule`` and its own class.
+            of both ``FSDPModule`` and its own class. A list of modules becomes one unit,
+            gathered before the first of them runs and freed after the last (as FSDP2's).
         mesh: ``None`` for a 1-D mesh over the default process group; a 1-D ``DeviceMesh``
             (dims named ``("replicate",)`` replicate instead of sharding); or a 2-D mesh with
             dims ``("replicate", "shard")`` for hybrid sharding. With tensor parallelism it
@@ -597,11 +612,14 @@ def fully_shard(
             parameter belongs to another unit, the mesh does not fit the process group,
             or the parameters are on different devices or of different dtypes.
     """
-    if isinstance(module, (list, tuple)):
-        raise fail("fully_shard takes one module; FSDP2's list of modules sharing one unit is not offered",
-                   "Shard each module as its own unit, or their common parent (docs/migrating.md).")
-    if isinstance(module, FSDPModule):
-        raise fail(f"this {type(module).__name__} is already sharded",
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise fail(f"fully_shard takes a module or a non-empty list of modules, got {module!r:.80}",
+                   "Pass e.g. model.layers[0], or [model.norm, model.output] to shard them as one unit.")
+    what = type(modules[0]).__name__ if len(modules) == 1 else \
+        f"group [{', '.join(type(m).__name__ for m in modules)}]"
+    if any(isinstance(m, FSDPModule) for m in modules):
+        raise fail(f"this {what} is already sharded",
                    "Call fully_shard once per module, inner modules first and the root last.")
     if reshard_after_forward is None:  # FSDP2's default: free, except the root's (which fullshard always keeps)
         reshard_after_forward = True
@@ -617,12 +635,12 @@ def fully_shard(
     if ignored_params is not None and not all(isinstance(p, nn.Parameter) for p in ignored_params):
         raise fail("ignored_params must be a set of the module's nn.Parameters", "Pass e.g. {model.head.weight}.")
     global _optimizer_hook
-    owned = owned_params(module, [*_exclude, *(ignored_params or ())])
+    owned = owned_by(modules, [*_exclude, *(ignored_params or ())])
     if shard_placement_fn is not None:
         check_placements(owned, shard_placement_fn)
     group = shard_group(mesh)
-    check_owned(module, owned, group)
-    check_ranks_agree(f"this {type(module).__name__}",
+    check_owned(what, owned, group)
+    check_ranks_agree(f"this {what}",
                       [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad) for o in owned],
                       bit_sums([local_values(o.param) for o in owned]), group.device, dp_groups(group))
     post_forward_world = 1
@@ -647,16 +665,18 @@ def fully_shard(
         offload=isinstance(offload_policy, CPUOffloadPolicy),
         pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
     )
-    unit = Unit(module, owned, group, config)
-    move_buffers(module, group.device)
+    unit = Unit(modules, owned, group, config)
     for o in owned:
-        _OWNER[o.param] = f"{type(module).__name__} (as {o.fqn!r})"
-    module.__class__ = fsdp_class(type(module))
-    module.__dict__[HOOKS_ATTR] = UnitHooks(unit, _schedule)
-    module.register_state_dict_pre_hook(reshard_for_state_dict)
-    # PyTorch's composable APIs look here for what manages a module: replicate() leaves a unit's
-    # parameters to it, as it does FSDP2's (it would all-reduce their gradients a second time)
-    module.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
+        _OWNER[o.param] = f"{what} (as {o.fqn!r})"
+    hooks = UnitHooks(unit, _schedule)
+    for m in modules:
+        move_buffers(m, group.device)
+        m.__class__ = fsdp_class(type(m))
+        m.__dict__[HOOKS_ATTR] = hooks
+        m.register_state_dict_pre_hook(reshard_for_state_dict)
+        # PyTorch's composable APIs look here for what manages a module: replicate() leaves a unit's
+        # parameters to it, as it does FSDP2's (it would all-reduce their gradients a second time)
+        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
     if _optimizer_hook is None:
         _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer_step)
     return module

@@ -72,8 +72,8 @@ def unit_hooks(module: nn.Module) -> UnitHooks | None:
 
 
 def units_under(module: nn.Module) -> list[Unit]:
-    """The units of `module` and its submodules, outermost first."""
-    return [hooks.unit for m in module.modules() if (hooks := unit_hooks(m)) is not None]
+    """The units of `module` and its submodules, outermost first (a module group's once)."""
+    return list(dict.fromkeys(hooks.unit for m in module.modules() if (hooks := unit_hooks(m)) is not None))
 
 
 class Phase(Enum):
@@ -327,6 +327,15 @@ class RootContext:
         self.callback_queued = False
 
 
+# Note [module groups]: fully_shard([m1, m2]) makes one unit of several modules, as FSDP2
+# does (e.g. a final norm and the output head): every member carries the unit's hooks. The
+# first member to start its forward gathers (and its inputs carry the PostBackward that
+# reduces); the others then run on the full parameters, and the unit frees them after the
+# last member's forward. Every member's outputs trigger the gather before backward, and a
+# member whose gradients arrive after the reduction is reduced at the end of backward
+# (finish_backward), as a unit used twice is.
+
+
 class UnitHooks:
     """The hooks of one unit; the root's also owns the RootContext (Note [backward triggers])."""
 
@@ -342,14 +351,16 @@ class UnitHooks:
         self.forward_targets: list[UnitHooks] | None = None  # explicit prefetch lists
         self.backward_targets: list[UnitHooks] | None = None
         self.shown: bool | None = None  # inside full_params: whether this rank sees the full parameters
-        unit.module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-        unit.module.register_forward_hook(self.post_forward)
+        self.to_run: set[int] = set()  # a module group's members yet to run this forward (Note [module groups])
+        for module in unit.modules:
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward)
 
     def lazy_init(self) -> RootContext:
         """On the first forward, the outermost unit becomes the root of every unit below it."""
         if self.ctx is None:
             names = {module: name for name, module in self.unit.module.named_modules()}
-            units = [hooks for module in names if (hooks := unit_hooks(module)) is not None]
+            units = list(dict.fromkeys(hooks for module in names if (hooks := unit_hooks(module)) is not None))
             ctx = RootContext(units, self.schedule)
             fqns = [names[hooks.unit.module] or "<root>" for hooks in units]
             for index, hooks in enumerate(units):
@@ -374,6 +385,9 @@ class UnitHooks:
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
             self.unit.wait_unshard()
             return args, kwargs
+        if self.phase is Phase.FORWARD and id(module) in self.to_run:  # Note [module groups]
+            return args, kwargs
+        self.to_run = {id(m) for m in self.unit.modules} if len(self.unit.modules) > 1 else set()
         if self.is_root:
             ctx.recover()
             ctx.start_forward()
@@ -405,6 +419,13 @@ class UnitHooks:
         output = cast_floats(output, self.unit.config.output_dtype, output=True)
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
             return output
+        self.to_run.discard(id(module))
+        if self.to_run:  # Note [module groups]: members still to run
+            for tensor in tensors_in(output) if torch.is_grad_enabled() else []:
+                if tensor.requires_grad:
+                    tensor.register_hook(self.pre_backward)
+            return output
+        self.to_run = set()
         self.phase = Phase.IDLE
         if self.is_root:
             self.ctx.drop_unused_prefetches()

@@ -82,8 +82,10 @@ def unit_of(param: nn.Parameter) -> Unit | None:
 class Unit:
     """The shards of one unit, their all-gather into full parameters, and their gradient reduction."""
 
-    def __init__(self, module: nn.Module, owned: list[OwnedParam], group: ShardGroup, config: UnitConfig) -> None:
-        self.module = module
+    def __init__(self, modules: list[nn.Module], owned: list[OwnedParam], group: ShardGroup,
+                 config: UnitConfig) -> None:
+        self.modules = modules  # one, or FSDP2's group of modules sharded together (Note [module groups])
+        self.module = modules[0]
         self.group = group
         self.config = config
         self.fqn = ""  # set by the root at lazy init, for messages and profiler labels
