@@ -4,6 +4,9 @@ torch.compile of units before or after sharding, or of the whole model."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 from torch import nn
@@ -125,6 +128,10 @@ def inductor_job() -> dict:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    # inductor's on-disk cache does not tell kernels built under one ATEN_CPU_CAPABILITY from
+    # another's: reused across levels they fail to compile (default) or train off by 2% (avx2)
+    level = os.environ.get("ATEN_CPU_CAPABILITY", "native")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_fullshard_{level}")
     torch._dynamo.reset()
     counters.clear()
     factory, batch_fn, loss_fn, _ = model_spec("gpt")
