@@ -330,3 +330,46 @@ def test_a_group_of_modules_is_one_unit(world2):
         # gather together, where two units would gather 3 times
         assert got["gathers"] == 4 and got["same unit"], got
         assert got["types"] == ["FSDPLayerNorm", "FSDPLinear"], got
+
+
+class Mixed(nn.Module):
+    """A float64 layer and a float32 one in one unit (e.g. a norm kept in higher precision)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(6, 6).double(), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.tanh(self.inner(x)))
+
+
+def mixed_dtypes_job() -> dict:
+    """Parameters of two dtypes in one unit, computed in param_dtype: each shard keeps its own
+    dtype, gradients land in it, and training matches one process doing the same (fp32
+    compute on fp32 copies of the masters)."""
+    torch.manual_seed(0)
+    model = Mixed()
+    reference = copy.deepcopy(model)
+    fullshard.fully_shard(model, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=torch.float32))
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    optimizer, ref_optimizer = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(3):
+        x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(step))
+        model(x.chunk(world)[rank]).square().mean().backward()
+        copies = {n: p.float() for n, p in reference.named_parameters()}  # fp32 compute, fp64 masters
+        torch.func.functional_call(reference, copies, (x,)).square().mean().backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    with fullshard.full_params(model, writeback=False):
+        kept = sorted({str(p.dtype) for p in model.parameters()})
+    return {"dtypes": dtypes, "full_params": kept, "param": max_diff(full_state(model), full_state(reference)),
+            "refused": raises(lambda: fullshard.fully_shard(Mixed()))}
+
+
+def test_parameters_of_several_dtypes_share_a_unit_with_a_param_dtype(world2):
+    for got in world2.run(mixed_dtypes_job):
+        assert got["dtypes"] == got["full_params"] == ["torch.float32", "torch.float64"], got
+        assert got["param"] <= 1e-7, got  # fp32 computations summed over ranks in another order
+        assert "param_dtype" in got["refused"], got

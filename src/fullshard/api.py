@@ -299,7 +299,8 @@ class FSDPModule:
         if unit.params:
             local = unit.params[0].local_shard()
             if local.device.type != "meta" and local.untyped_storage()._cdata != unit.shards[0].untyped_storage()._cdata:
-                unit.materialize(unit.group.device if unit.config.offload else local.device, local.dtype)
+                unit.materialize(unit.group.device if unit.config.offload else local.device,
+                                 [p.local_shard().dtype for p in unit.params])
         return module
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -486,13 +487,6 @@ def check_owned(what: str, owned: list[OwnedParam], group: ShardGroup) -> None:
         listing = ", ".join(f"{o.fqn!r} on {o.param.device}" for o in owned)
         raise fail(f"the parameters of this {what} are on different devices ({listing})",
                    "Move the module to one device (module.to(device)) before sharding it.")
-    dtypes = {o.param.dtype for o in owned}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"{o.fqn!r}: {o.param.dtype}" for o in owned)
-        raise fail(f"the parameters of this {what} have different dtypes ({listing}); one unit "
-                   f"communicates them in one buffer",
-                   "Give them one dtype (module.to(dtype)), or shard the differing submodules as "
-                   "their own units first; use MixedPrecisionPolicy for low-precision compute.")
 
 
 # the integer type whose elements have the size of a dtype's, to sum a tensor's bits
@@ -655,6 +649,12 @@ def fully_shard(
         post_forward_world = 1 if k == group.world else k  # k = world is True; k = 1 keeps everything
         reshard_after_forward = k > 1
     mp = mp_policy or MixedPrecisionPolicy()
+    if len({o.param.dtype for o in owned}) > 1 and mp.param_dtype is None:
+        listing = ", ".join(f"{o.fqn!r}: {o.param.dtype}" for o in owned)
+        raise fail(f"the parameters of this {what} have different dtypes ({listing}) and no param_dtype to "
+                   f"gather and compute them in; one unit communicates them in one buffer",
+                   "Pass mp_policy=MixedPrecisionPolicy(param_dtype=...) (each keeps its own dtype as its "
+                   "shard), give them one dtype (module.to(dtype)), or shard the differing submodules first.")
     config = UnitConfig(
         free_after_forward=reshard_after_forward,
         post_forward_world=post_forward_world,

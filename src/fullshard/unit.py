@@ -101,7 +101,7 @@ class Unit:
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
         self.shard_numels = [shard_numel(local_values(o.param).shape, group.world) for o in owned]
-        self.set_master_dtype(owned[0].param.dtype if owned else torch.float32)
+        self.set_master_dtypes([o.param.dtype for o in owned])
         self.compute_device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
         segments = self.allocate()
         self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment) for o, segment in zip(owned, segments)]
@@ -128,10 +128,11 @@ class Unit:
 
     # ---- storage -----------------------------------------------------------------
 
-    def set_master_dtype(self, dtype: torch.dtype) -> None:
-        """The shards' dtype, and the compute and reduce dtypes the policy leaves to it."""
-        self.master_dtype = dtype
-        self.compute_dtype = self.config.param_dtype or dtype
+    def set_master_dtypes(self, dtypes: list[torch.dtype]) -> None:
+        """The shards' dtypes (each parameter's own; several only with a param_dtype, which
+        fully_shard checks), and the compute and reduce dtypes the policy leaves to them."""
+        self.master_dtypes = dtypes
+        self.compute_dtype = self.config.param_dtype or (dtypes[0] if dtypes else torch.float32)
         self.reduce_dtype = self.config.reduce_dtype or self.compute_dtype
 
     def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -141,12 +142,12 @@ class Unit:
         meta = self.compute_device.type == "meta"
         shard_device = torch.device("cpu") if config.offload and not meta else self.compute_device
         pin = config.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
-        self.shards = [torch.zeros(numel, dtype=self.master_dtype, device=shard_device, pin_memory=pin)
-                       for numel in self.shard_numels]  # each [shard_numel], Note [shard layout]
+        self.shards = [torch.zeros(numel, dtype=dtype, device=shard_device, pin_memory=pin)
+                       for numel, dtype in zip(self.shard_numels, self.master_dtypes)]  # each [shard_numel]
         # Note [stable full params]: one storage for every full parameter of the unit;
         # none when they can be the shards themselves (one rank, same dtype, same memory:
         # a CPU-offloaded shard is host memory, which a GPU does not compute with)
-        same = (group.shard_pg is None and self.compute_dtype == self.master_dtype
+        same = (group.shard_pg is None and all(dtype == self.compute_dtype for dtype in self.master_dtypes)
                 and not runtime.active.separate_memory(shard_device, self.compute_device, offloaded=config.offload))
         self.full_flat = None if same else torch.empty(group.world * sum(self.shard_numels), dtype=self.compute_dtype,
                                                        device=self.compute_device)  # per-parameter blocks
@@ -163,14 +164,14 @@ class Unit:
             runtime.active.freed(self.full_flat)
             self.full_flat.untyped_storage().resize_(0)
 
-    def materialize(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    def materialize(self, device: torch.device, dtypes: list[torch.dtype] | None = None) -> None:
         """Give a unit built on the meta device (or whose parameters Module.to_empty or .to
-        moved or converted to `dtype`) real storage: the shards keep the values they hold now,
+        moved or converted to `dtypes`) real storage: the shards keep the values they hold now,
         none for meta."""
         assert self.state is ShardState.SHARDED, f"materialize() in state {self.state.name}"
         self.compute_device = device
-        if dtype is not None:
-            self.set_master_dtype(dtype)
+        if dtypes is not None:
+            self.set_master_dtypes(dtypes)
         for p, segment in zip(self.params, self.allocate()):
             p.rebind(*segment)
         self.release_storage()
@@ -217,11 +218,11 @@ class Unit:
                 self.finish_gather()
             self.stats.wait_s += time.perf_counter() - start
             runtime.active.reads(self.full_flat)  # forward and backward compute with it
-            if self.compute_dtype == self.master_dtype:
-                with torch.no_grad():
-                    for p in self.params:
-                        if p.replicated:  # keep every rank's copy equal to the one used, Note [shard layout]
-                            runtime.active.copy_(p.local_shard(), local_values(p.unsharded))  # offload: to the host, no wait
+            with torch.no_grad():
+                for p in self.params:
+                    if p.replicated and p.sharded.dtype == self.compute_dtype:  # every rank's copy equal to
+                        # the one used, Note [shard layout]; offload: to the host, no wait
+                        runtime.active.copy_(p.local_shard(), local_values(p.unsharded))
         for p in self.params:
             p.to_full()
         self.state = ShardState.FULL
@@ -326,7 +327,13 @@ class Unit:
     def gather_masters(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, gathered into new tensors on the compute
         device (to read or edit whole weights; the unit's own state does not change)."""
-        return self.gather_values(self.params, self.shards, self.master_dtype, "full parameters")
+        fulls = {}
+        for dtype in dict.fromkeys(self.master_dtypes):  # one gather per master dtype
+            mine = [i for i, d in enumerate(self.master_dtypes) if d == dtype]
+            values = self.gather_values([self.params[i] for i in mine], [self.shards[i] for i in mine], dtype,
+                                        "full parameters")
+            fulls.update(zip(mine, values))
+        return [fulls[i] for i in range(len(self.params))]
 
     def gather_values(self, params: list[ShardedParam], shards: list[torch.Tensor], dtype: torch.dtype,
                       what: str) -> list[torch.Tensor]:
@@ -429,7 +436,8 @@ class Unit:
             self.owes_all_reduce = True
         flags_at = shard.numel() - len(grad_params)
         if self.config.offload:
-            row = shard if shard.dtype == self.master_dtype else shard.to(self.master_dtype)
+            masters = set(self.master_dtypes)  # land on the host in the masters' dtype when they share one
+            row = shard.to(*masters) if len(masters) == 1 and shard.dtype not in masters else shard
             host = rt.to_host(row, pin=self.config.pin_memory)  # [grad_shard_numel + n_flags]
             self.unlanded.append((grad_params, host[flags_at:], host))
         elif not all_here:
@@ -477,8 +485,9 @@ class Unit:
         grads = [p.sharded.grad.to_local() for p in grad_params]
         moved = [runtime.active.to_device(g, self.compute_device) for g in grads]  # offload: NCCL reads device memory
         try:
-            nbytes = all_reduce_tensors(moved, group=self.group.replicate_pg,
-                                        caller=self.caller(1, "all-reduce across replicas"))
+            nbytes = sum(all_reduce_tensors([t for t in moved if t.dtype == dtype], group=self.group.replicate_pg,
+                                            caller=self.caller(1, "all-reduce across replicas"))
+                         for dtype in dict.fromkeys(t.dtype for t in moved))  # one per master dtype
         except CollectiveError as e:
             raise self.failed("all-reduce across replicas", e) from None
         back = [(grad, device_grad) for grad, device_grad in zip(grads, moved) if device_grad is not grad]
