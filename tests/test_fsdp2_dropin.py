@@ -131,8 +131,10 @@ def test_forward_mode_autodiff_through_a_sharded_module(world2):
 def fsdp2_script_job() -> dict:
     """A training script written for PyTorch's FSDP2, with only its import changed: per-block
     fully_shard with FSDP2's defaults, torch's clip_grad_norm_ on the DTensor gradients,
-    accumulation with FSDP2's switches, model.state_dict() saved and loaded with DCP."""
+    accumulation with FSDP2's switches, model.state_dict() saved and loaded with DCP, and torch's
+    get_model_state_dict / set_model_state_dict(broadcast_from_rank0=True)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     from fullshard import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -177,13 +179,20 @@ def fsdp2_script_job() -> dict:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
+    reloaded = max_diff(full_state(model), trained)
+    # torch's state-dict API: full on rank 0, then broadcast back into the shards
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return {"norm": max(losses), "param": max_diff(full_state(model), full_state(reference)),
-            "reloaded": max_diff(full_state(model), trained)}
+            "reloaded": reloaded, "broadcast": max_diff(full_state(model), trained)}
 
 
 def test_an_fsdp2_training_script_runs_with_only_its_import_changed(world2):
     for got in world2.run(fsdp2_script_job):
-        assert got["norm"] <= 1e-6 and got["param"] <= 2e-5 and got["reloaded"] == 0.0, got
+        assert got["norm"] <= 1e-6 and got["param"] <= 2e-5 and got["reloaded"] == got["broadcast"] == 0.0, got
 
 
 def methods_job() -> dict:
