@@ -78,9 +78,10 @@ def assign_job() -> dict:
     torch.manual_seed(1)
     other = fullshard.shard_model(tiny_gpt(), wrap={Block})
     other.load_state_dict(want, strict=False, assign=True)  # full tensors
+    at_once = all(isinstance(p, DTensor) for p in other.parameters())  # what an optimizer built now would hold
     other(x, y)
     return {"loss": abs(loss.item() - source(x, y).item()), "moved": moved, "full": max_diff(full_state(other), want),
-            "assigned are shards": all(isinstance(p, DTensor) for p in model.parameters())}
+            "assigned are shards": all(isinstance(p, DTensor) for p in model.parameters()) and at_once}
 
 
 def test_load_state_dict_with_assign_is_what_forward_computes_with(world2):
@@ -151,7 +152,7 @@ def fsdp2_script_job() -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     world, rank = dist.get_world_size(), dist.get_rank()
-    losses = []
+    norm_diffs = []
     for step in range(2):
         micro = [token_batch(torch.Generator().manual_seed(10 * step + m), 2 * world) for m in range(2)]
         for m, (x, y) in enumerate(micro):
@@ -166,7 +167,7 @@ def fsdp2_script_job() -> dict:
         optimizer.zero_grad()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-        losses.append(abs(norm.full_tensor().item() - ref_norm.item()))
+        norm_diffs.append(abs(norm.full_tensor().item() - ref_norm.item()))
     state = {"model": model.state_dict()}
     directory = f"/tmp/fullshard_fsdp2_script_{os.getppid()}"
     dcp.save(state, checkpoint_id=directory)
@@ -186,7 +187,7 @@ def fsdp2_script_job() -> dict:
         for p in model.parameters():
             p.zero_()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    return {"norm": max(losses), "param": max_diff(full_state(model), full_state(reference)),
+    return {"norm": max(norm_diffs), "param": max_diff(full_state(model), full_state(reference)),
             "reloaded": reloaded, "broadcast": max_diff(full_state(model), trained)}
 
 
@@ -219,8 +220,21 @@ def methods_job() -> dict:
     kept = sharded()
     kept.set_reshard_after_forward(False)
     out["gathers"] = (gathers(sharded()), gathers(kept))
+    torch.manual_seed(0)
+    embedded = nn.Sequential(nn.Embedding(61, 8), nn.Linear(8, 61))
+    reference = copy.deepcopy(embedded)
+    fullshard.fully_shard(embedded[0])
+    fullshard.fully_shard(embedded)
+    embedded[0].set_unshard_in_backward(False)  # an embedding's backward needs only the indices
+    same = token_batch(torch.Generator().manual_seed(0), 2)[0]  # on every rank: the average is the reference's
+    with fullshard.stats(embedded) as s:
+        embedded(same).sum().backward()
+    reference(same).sum().backward()
+    out["unshard in backward"] = (s.gathers, (embedded[0].weight.grad.full_tensor()
+                                              - reference[0].weight.grad).abs().max().item())
     summed = sharded()
-    summed.set_gradient_divide_factor(1.0)
+    for unit in [summed, *summed.h]:  # each unit's own, as FSDP2's
+        unit.set_gradient_divide_factor(1.0)
     calls = []
     hooked = sharded()
     for block in hooked.h:
@@ -250,7 +264,9 @@ def methods_job() -> dict:
     scored.embed = lambda idx: scored.wte(idx) + scored.wpe(torch.arange(idx.shape[1]))
     fullshard.register_fsdp_forward_method(scored, "embed")
     with torch.no_grad():
-        out["method"] = tuple(scored.embed(x).shape)
+        torch.manual_seed(0)
+        plain = tiny_gpt()
+        out["method"] = (scored.embed(x) - plain.wte(x) - plain.wpe(torch.arange(x.shape[1]))).abs().max().item()
     # a 2-D mesh of any dim names is (replicate, shard); ignored parameters stay plain
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp_replicate", "dp_shard"))
     torch.manual_seed(0)
@@ -258,6 +274,8 @@ def methods_job() -> dict:
     fullshard.fully_shard(model, mesh=mesh, ignored_params={model.wpe.weight})
     out["mesh"] = [repr(p) for p in model.wte.weight.placements]
     out["ignored"] = type(model.wpe.weight).__name__
+    model(x, y).backward()  # the ignored weight's gradient is the user's; the optimizer check leaves it
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
     out["placement"] = raises(lambda: fullshard.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))
     fullshard.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0))
     out["not offered"] = raises(lambda: kept.set_custom_all_gather(None))
@@ -270,9 +288,11 @@ def test_fsdp2_methods_do_what_fsdp2_documents(world2):
         assert got["sum"] <= 1e-6, got
         calls, hooked, others = got["hook"]
         assert calls == 2 and hooked <= 1e-6 and others == 0.0, got  # once per block unit, in place
-        assert got["reset"] <= 1e-6 and got["state_dict"] and got["method"] == (2, 8, 30), got
+        assert got["reset"] <= 1e-6 and got["state_dict"] and got["method"] <= 1e-6, got
         assert got["mesh"] == ["Replicate()", "Shard(dim=0)"] and got["ignored"] == "Parameter", got
         assert "Shard(0)" in got["placement"], got
+        # the root kept until its backward (1 gather), the embedding gathered for forward only (1)
+        assert got["unshard in backward"][0] == 2 and got["unshard in backward"][1] <= 1e-5, got
         assert "does not offer" in got["not offered"], got
 
 
@@ -327,18 +347,32 @@ def group_job() -> dict:
         gathers = s.gathers
     return {"loss": max(abs(g - w) for g, w in zip(got, want)), "param": max_diff(full_state(model),
                                                                                   full_state(reference)),
-            "gathers": gathers, "same unit": fullshard.api.unit_hooks(grouped[0]) is fullshard.api.unit_hooks(grouped[1]),
-            "types": [type(m).__name__ for m in grouped]}
+            "gathers": gathers, "types": [type(m).__name__ for m in grouped]}
+
+
+def group_to_empty_job() -> list:
+    """A module group built on meta, made real by to_empty and filled: every member computes
+    with its filled values (each member's to_empty moves its own parameters in turn)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fullshard.fully_shard([model[0], model[1]])
+    fullshard.fully_shard(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)
+    return model(torch.ones(1, 4)).tolist()
 
 
 def test_a_group_of_modules_is_one_unit(world2):
+    for got in world2.run(group_to_empty_job):
+        assert got == [[5.5, 5.5]], got  # (4 x 0.5 + 0.5) = 2.5, then 4 x 0.5 x 2.5 + 0.5
     for got in world2.run(group_job):
         assert got["loss"] <= 1e-6 and got["param"] <= 2.5e-7, got
         # the root (no parameters of its own: 1 empty gather), model[0] (forward and backward: 2)
         # and the group, which ran last and so is kept until its backward (1): its two modules
         # gather together, where two units would gather 3 times
-        assert got["gathers"] == 4 and got["same unit"], got
-        assert got["types"] == ["FSDPLayerNorm", "FSDPLinear"], got
+        assert got["gathers"] == 4 and got["types"] == ["FSDPLayerNorm", "FSDPLinear"], got
 
 
 class Mixed(nn.Module):
@@ -361,7 +395,8 @@ def mixed_dtypes_job() -> dict:
     reference = copy.deepcopy(model)
     fullshard.fully_shard(model, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=torch.float32))
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
-    optimizer, ref_optimizer = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     world, rank = dist.get_world_size(), dist.get_rank()
     for step in range(3):
         x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(step))

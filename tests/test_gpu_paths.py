@@ -128,6 +128,7 @@ def test_averaging_uses_nccl_avg_and_divides_fp16_first():
     # ranks it sums over, so another divisor (or sums only) sums and divides after
     assert averaging("nccl", torch.bfloat16, dp_size=8, summed_over=8, divide_by=2.5) == Averaging(False, summed, 2.5)
     assert averaging("sum only", torch.bfloat16, dp_size=8, summed_over=8, divide_by=8) == Averaging(False, summed, 8)
+    assert averaging("nccl", torch.float16, dp_size=8, summed_over=8, divide_by=2.5) == Averaging(True, summed, 1)
 
 
 def bf16_rounding_job() -> dict:

@@ -178,6 +178,27 @@ def test_2d_models_initialize_from_meta_or_rank_0_show_full_params_and_accumulat
         assert got["accumulated"] <= 1e-6, got
 
 
+def accumulation_job() -> dict:
+    """bf16 compute, fp32 reduce_dtype, gradient sync off for all but the last micro-batch: the
+    held gradients (sequence-parallel weights' summed over TP first) equal syncing each one."""
+    mp = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    grads = {}
+    for sync_each in (True, False):
+        model, (dp, index) = build("2x2", mp_policy=mp)
+        for micro in range(3):
+            model.set_requires_gradient_sync(sync_each or micro == 2)
+            x, y = tp_token_batch(torch.Generator().manual_seed(10 * micro + index), 2)
+            model(x, y).backward()
+        grads[sync_each] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"diff": max((grads[True][n] - grads[False][n]).abs().max().item() for n in grads[True]),
+            "scale": max(g.abs().max().item() for g in grads[True].values())}
+
+
+def test_2d_micro_batches_without_sync_accumulate_in_the_reduce_dtype(world4):
+    for got in world4.run(accumulation_job):
+        assert got["diff"] <= 1e-5 * got["scale"], got  # fp32 sums of the same bf16 gradients, regrouped
+
+
 def refusals_job() -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {}

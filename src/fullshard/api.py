@@ -6,9 +6,8 @@ import dataclasses
 import functools
 import gc
 import zlib
-from typing import Iterable
-
 from datetime import timedelta
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -22,9 +21,9 @@ from fullshard.collectives import all_gather_ints, all_gather_json
 from fullshard.errors import fail
 from fullshard.hooks import HOOKS_ATTR, Phase, Schedule, UnitHooks, unit_hooks, units_under
 from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group
+from fullshard.param import local_values
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.runtime import CollectiveError
-from fullshard.param import local_values
 from fullshard.unit import OwnedParam, Unit, UnitConfig, unit_of
 
 # Original parameter -> description of the unit that took it. A parameter registered in
@@ -141,6 +140,8 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.config = dataclasses.replace(unit.config, free_after_forward=reshard_after_forward,
                                               post_forward_world=1)
+            unit.small_group = None  # an int k given to fully_shard no longer applies
+            unit.drop_small()
             hooks = unit_hooks(unit.module)
             hooks.free_after_forward = reshard_after_forward and not hooks.is_root
 
@@ -158,10 +159,13 @@ class FSDPModule:
         Args:
             unshard_in_backward: ``False`` gathers nothing in backward.
         """
-        self._unit().unshard_in_backward = bool(unshard_in_backward)
+        if not isinstance(unshard_in_backward, bool):
+            raise fail(f"set_unshard_in_backward({unshard_in_backward!r}) takes a bool", "Pass True or False.")
+        self._unit().unshard_in_backward = unshard_in_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this unit's reduced gradients by `factor` instead of the data-parallel size.
+        """Divide this unit's reduced gradients (not those of units below it, as FSDP2) by `factor`
+        instead of the data-parallel size.
 
         Args:
             factor: a positive number (1.0: the sum over ranks).
@@ -169,8 +173,7 @@ class FSDPModule:
         if not (isinstance(factor, (int, float)) and factor > 0):
             raise fail(f"set_gradient_divide_factor({factor!r}): the factor must be a positive number",
                        "Pass e.g. 1.0 for the sum over ranks.")
-        for unit in self._units(True):
-            unit.divide_factor = float(factor)
+        self._unit().divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of ``set_gradient_divide_factor``."""
@@ -203,10 +206,11 @@ class FSDPModule:
             hooks.ctx.reset()
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Reduce with sums only (``True``), dividing afterwards, never NCCL's average; on gloo
-        fullshard always does."""
-        for unit in self._units(True):
-            unit.force_sum = bool(enable)
+        """Reduce this unit's gradients with sums only (``True``), dividing afterwards, never NCCL's
+        average; on gloo fullshard always does."""
+        if not isinstance(enable, bool):
+            raise fail(f"set_force_sum_reduction_for_comms({enable!r}) takes a bool", "Pass True or False.")
+        self._unit().force_sum = enable
 
     set_custom_all_gather = not_offered("set_custom_all_gather", "a unit's gather is fullshard's own (one "
                                         "all-gather, or point-to-point on gloo), not a pluggable collective")
@@ -296,11 +300,11 @@ class FSDPModule:
         holding no row) has no data pointer, as a meta one has none."""
         module = super()._apply(fn, recurse)
         unit = self._unit()
-        if unit.params:
-            local = unit.params[0].local_shard()
-            if local.device.type != "meta" and local.untyped_storage()._cdata != unit.shards[0].untyped_storage()._cdata:
-                unit.materialize(unit.group.device if unit.config.offload else local.device,
-                                 [p.local_shard().dtype for p in unit.params])
+        moved = [p.local_shard() for p in unit.params]  # a module group's members move their own in turn
+        if any(not local.is_meta and local.untyped_storage()._cdata != shard.untyped_storage()._cdata
+               for local, shard in zip(moved, unit.shards)):
+            device = next(local.device for local in moved if not local.is_meta)
+            unit.materialize(unit.group.device if unit.config.offload else device, [local.dtype for local in moved])
         return module
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -322,7 +326,7 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
                 sharded = True
             elif p in _OWNER:
                 stale.append(_OWNER[p])
-            elif p.grad is not None and p not in _DDP_AVERAGED:
+            elif p.grad is not None and p not in _DDP_AVERAGED and p not in _IGNORED:
                 unaveraged.append(p)
     if stale:
         raise fail(f"this {type(optimizer).__name__} holds {len(stale)} parameters that fully_shard replaced "
@@ -340,6 +344,7 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
 
 
 _DDP_AVERAGED = WeakIdKeyDictionary()  # parameters a DistributedDataParallel (e.g. replicate()'s) averages
+_IGNORED = WeakIdKeyDictionary()  # ignored_params: the user averages (or means to keep) them
 
 
 def ddp_averaged() -> WeakIdKeyDictionary:
@@ -372,6 +377,19 @@ def reshard_for_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> N
     hooks = unit_hooks(module)
     if hooks.phase is Phase.IDLE and hooks.shown is None:
         hooks.unit.reshard()
+        hooks.unit.adopt_replaced()
+
+
+def reshard_for_load(module: nn.Module, *args) -> None:
+    """Before load_state_dict: the shards on the modules, for the load to copy into or assign over."""
+    reshard_for_state_dict(module, "", False)
+
+
+def adopt_loaded(module: nn.Module, incompatible_keys) -> None:
+    """After load_state_dict(assign=True): what it assigned becomes the shards at once, so the
+    parameters an optimizer is built from next, full_params and clipping see are the unit's."""
+    hooks = unit_hooks(module)
+    if hooks.phase is Phase.IDLE and hooks.shown is None:
         hooks.unit.adopt_replaced()
 
 
@@ -630,6 +648,7 @@ def fully_shard(
         raise fail("ignored_params must be a set of the module's nn.Parameters", "Pass e.g. {model.head.weight}.")
     global _optimizer_hook
     owned = owned_by(modules, [*_exclude, *(ignored_params or ())])
+    _IGNORED.update((p, True) for p in ignored_params or ())
     if shard_placement_fn is not None:
         check_placements(owned, shard_placement_fn)
     group = shard_group(mesh)
@@ -674,6 +693,8 @@ def fully_shard(
         m.__class__ = fsdp_class(type(m))
         m.__dict__[HOOKS_ATTR] = hooks
         m.register_state_dict_pre_hook(reshard_for_state_dict)
+        m.register_load_state_dict_pre_hook(reshard_for_load)
+        m.register_load_state_dict_post_hook(adopt_loaded)
         # PyTorch's composable APIs look here for what manages a module: replicate() leaves a unit's
         # parameters to it, as it does FSDP2's (it would all-reduce their gradients a second time)
         m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()

@@ -119,7 +119,8 @@ def barrier(timeout: timedelta, what: str) -> None:
 
 
 
-# Note [averaging]: fp16 rows are divided by dp_size before the sum, whose fp16 range
+# Note [averaging]: gradients are averaged over the dp_size data-parallel ranks (divided by
+# a unit's set_gradient_divide_factor instead, when set). fp16 rows are divided before the sum, whose fp16 range
 # would overflow sooner. Otherwise NCCL averages inside the collectives (ReduceOp.AVG,
 # no extra kernel or pass over the row); elsewhere the sum is divided afterwards. Each
 # rank's rows are added in rank order. On gloo the reduce-scatter of a shard group
@@ -343,9 +344,9 @@ def reduce_scatter_grads(
     compute stream), then all-reducing it across replicas (hybrid sharding, no_shard).
 
     `groups` is (shard group, replicate group); the result is divided by `divide_by`: `dp_size`,
-    the data-parallel size (eq. 1 of the paper), unless set_gradient_divide_factor said otherwise. On gloo a rank's own row is packed straight
-    into the result, which then adds the peers' rows (Note [collective choice]); the
-    result is averaged as Note [averaging] says.
+    the data-parallel size (eq. 1 of the paper), unless set_gradient_divide_factor said
+    otherwise. On gloo a rank's own row is packed straight into the result, which then adds
+    the peers' rows (Note [collective choice]); the result is averaged as Note [averaging] says.
     """
     rt = runtime.active
     shard_group, replicate_group = groups

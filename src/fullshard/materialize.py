@@ -81,8 +81,8 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
             buffers = [key for key, b in module._buffers.items() if b is not None and b.is_meta]
             if not params and not buffers:
                 continue
-            fresh = {key: nn.Parameter(unset(p.global_shape, p.sharded.dtype, device), requires_grad=p.sharded.requires_grad)
-                     for key, p in params.items()}
+            fresh = {key: nn.Parameter(unset(p.global_shape, p.sharded.dtype, device),
+                                       requires_grad=p.sharded.requires_grad) for key, p in params.items()}
             module._parameters.update(fresh)
             for key in buffers:
                 module._buffers[key] = unset(module._buffers[key].shape, module._buffers[key].dtype, device)

@@ -58,11 +58,9 @@ def counts_once(grad: torch.Tensor) -> bool:
     mesh = grad.device_mesh
     if any(c != 0 for c, placement in zip(mesh.get_coordinate(), grad.placements) if isinstance(placement, Replicate)):
         return False
-    root = mesh._get_root_mesh()
-    if root.size() == mesh.size():
-        return True
-    return all(c == 0 for name, c in zip(root.mesh_dim_names, root.get_coordinate())
-               if name not in mesh.mesh_dim_names)
+    # of the copies of a sub-mesh (one per coordinate of the other dims), the one holding the
+    # root mesh's first rank; by ranks, not names, so flattened dims count too
+    return mesh._get_root_mesh().mesh.flatten()[0].item() in mesh.mesh.flatten().tolist()
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -173,12 +171,15 @@ def full_params(
     if any(unit_hooks(unit.module).phase is not Phase.IDLE for unit in units):
         raise fail("full_params was entered during a forward or backward",
                    "Use it between training steps.")
-    if rank0_only and any(p.tp_mesh is not None for unit in units for p in unit.params):
-        raise fail("full_params(rank0_only=True) on a tensor-parallel model: its forward communicates over the "
-                   "TP ranks, which rank 0 cannot do alone", "Pass rank0_only=False: every rank then sees its "
+    if (rank0_only or offload_to_cpu) and any(p.tp_mesh is not None for unit in units for p in unit.params):
+        raise fail(f"full_params({'rank0_only' if rank0_only else 'offload_to_cpu'}=True) on a tensor-parallel "
+                   f"model: its forward communicates over the TP ranks, which needs every TP rank and the "
+                   f"device's memory", "Pass rank0_only=False and offload_to_cpu=False: every rank then sees its "
                    "TP part of the full parameters, and a forward inside runs tensor parallelism as usual.")
     visible = not rank0_only or dist.get_rank() == 0
     shown: list[list[nn.Parameter]] = []
+    for unit in units:
+        unit.adopt_replaced()  # parameters assigned since the last step are what it shows
     for unit in units:  # one unit at a time, so offloading bounds device memory
         fulls = unit.gather_masters()
         if visible:

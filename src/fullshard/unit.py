@@ -229,10 +229,22 @@ class Unit:
 
     def adopt_replaced(self) -> None:
         """Take parameters assigned in the shards' place between steps (load_state_dict(assign=True))
-        as the shards (ShardedParam.adopt); a unit still on the meta device gets storage first."""
+        as the shards (ShardedParam.adopt); a unit still on the meta device gets storage first,
+        and a gather in flight (a prefetch of the old values) is dropped."""
         replaced = [(p, new) for p in self.params if (new := p.replacement(full=False)) is not None]
-        if replaced and self.compute_device.type == "meta" and not replaced[0][1].is_meta:
+        if not replaced:
+            return
+        if self.compute_device.type == "meta" and not replaced[0][1].is_meta:
+            if len(replaced) < len(self.params):
+                missing = [p.fqn for p in self.params if p not in dict(replaced)]
+                raise fail(f"a unit still on the meta device was given values for some of its parameters only "
+                           f"(not {missing})", "Load every parameter of the unit (load_state_dict(..., "
+                           "assign=True) of a whole state dict), or make it real first: model.to_empty(device=...).")
             self.materialize(self.group.device if self.config.offload else replaced[0][1].device)
+        if self.pending is not None:
+            self.finish_gather()
+            self.release_storage()
+            self.stats.full_params(-self.full_bytes)
         for p, new in replaced:
             p.adopt(new)
 

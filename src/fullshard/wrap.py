@@ -10,16 +10,15 @@ import dataclasses
 import functools
 from typing import Callable, Iterable
 
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
-from fullshard.api import FSDPModule, fully_shard
+from fullshard.api import FSDPModule, dp_groups, fully_shard
 from fullshard.errors import fail
 from fullshard.hooks import Schedule
 from fullshard.materialize import check_initializable, has_meta, materialize, sync_eager
-from fullshard.mesh import build_mesh, compute_device, mesh_roles
+from fullshard.mesh import build_mesh, compute_device, mesh_roles, shard_group
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 
 WrapPolicy = Iterable[type] | int | Callable[[nn.Module, str], bool] | None
@@ -114,8 +113,7 @@ def shard_model(
     if mesh is None:
         mesh = build_mesh(spec["mesh_dims"])
     if sync_module_states and not meta:
-        groups = [None] if mesh.size() == dist.get_world_size() else [mesh.get_group(d) for d in range(mesh.ndim)]
-        sync_eager(model, compute_device(mesh.device_type), groups)
+        sync_eager(model, compute_device(mesh.device_type), dp_groups(shard_group(mesh)))
     schedule = Schedule(prefetch_before_backward=backward_prefetch == "pre",
                         prefetch_after_backward=backward_prefetch == "post",
                         forward_prefetch=bool(forward_prefetch), limit=limit_all_gathers)
