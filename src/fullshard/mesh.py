@@ -73,6 +73,7 @@ def _release_groups() -> None:
     """
     _subgroups.clear()
     _timed_groups.clear()
+    _spmd_meshes.clear()
     gc.collect()
 
 
