@@ -354,7 +354,7 @@ def ddp_averaged() -> WeakIdKeyDictionary:
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
+        if issubclass(type(obj), DistributedDataParallel):  # type(), not isinstance: a dead weakref.proxy raises
             _DDP_AVERAGED.update((p, True) for p in obj.parameters() if p.requires_grad)
     return _DDP_AVERAGED
 

@@ -74,6 +74,7 @@ def _release_groups() -> None:
     _subgroups.clear()
     _timed_groups.clear()
     _spmd_meshes.clear()
+    _first_rank_copies.clear()
     gc.collect()
 
 
@@ -174,6 +175,18 @@ def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 _spmd_meshes: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
+_first_rank_copies: dict[int, tuple[DeviceMesh, bool]] = {}  # id(mesh) -> (mesh, holds_first_rank)
+
+
+def holds_first_rank(mesh: DeviceMesh) -> bool:
+    """Whether `mesh`, a sub-mesh of one over every rank, is the copy (of one per coordinate of
+    the other dims) that holds the whole mesh's first rank: the copy whose pieces a global sum
+    counts, once. By ranks, not dim names, so flattened dims count too. Worked out when the
+    unit is made (a mesh tensor read in a training step would look like a host sync) and kept."""
+    if id(mesh) not in _first_rank_copies:
+        first = mesh._get_root_mesh().mesh.flatten()[0].item()
+        _first_rank_copies[id(mesh)] = (mesh, first in mesh.mesh.flatten().tolist())
+    return _first_rank_copies[id(mesh)][1]
 
 
 def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool) -> tuple[DeviceMesh, tuple[Placement, ...]]:
@@ -191,6 +204,7 @@ def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool) -> tu
     key = (group.mesh, tp.mesh)
     if key not in _spmd_meshes:
         _spmd_meshes[key] = DeviceMesh._concatenate([group.mesh, tp.mesh])
+        holds_first_rank(_spmd_meshes[key])
     return _spmd_meshes[key], (*dp, *tp.placements)
 
 
@@ -234,6 +248,7 @@ def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
             'pass the data-parallel dims of a mesh over every rank, e.g. mesh_2d["dp"].',
         )
     roles = mesh_roles(mesh)
+    holds_first_rank(mesh)  # for clip_grad_norm_, now rather than in a training step
     groups = {role: mesh.get_group(dim) for dim, role in enumerate(roles)}
     sizes = {role: mesh.size(dim) for dim, role in enumerate(roles)}
     world = sizes.get("shard", 1)

@@ -17,6 +17,7 @@ from fullshard import runtime
 from fullshard.collectives import all_reduce_
 from fullshard.errors import fail, require
 from fullshard.hooks import Phase, unit_hooks, units_under
+from fullshard.mesh import holds_first_rank
 from fullshard.stats import Stats
 from fullshard.runtime import CollectiveError
 from fullshard.unit import ShardState, Unit, unit_of
@@ -58,9 +59,7 @@ def counts_once(grad: torch.Tensor) -> bool:
     mesh = grad.device_mesh
     if any(c != 0 for c, placement in zip(mesh.get_coordinate(), grad.placements) if isinstance(placement, Replicate)):
         return False
-    # of the copies of a sub-mesh (one per coordinate of the other dims), the one holding the
-    # root mesh's first rank; by ranks, not names, so flattened dims count too
-    return mesh._get_root_mesh().mesh.flatten()[0].item() in mesh.mesh.flatten().tolist()
+    return holds_first_rank(mesh)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
