@@ -38,7 +38,7 @@ def build(shape: str | None, seed: int | str = 0, meta: bool = False, **options)
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         tensor_parallel(model, mesh["tp"])
         dp_mesh = mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]
-        if shape.startswith("flattened"):
+        if shape == "flattened 2x1x2":
             dp_mesh = dp_mesh._flatten("dp")
         coordinate = mesh.get_coordinate()
         dp, index = sizes[0] * (sizes[1] if len(sizes) > 2 else 1), coordinate[0] * (sizes[1] if len(sizes) > 2 else 1)
