@@ -128,7 +128,9 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free the full parameters after forward (``True``) or keep them until backward.
 
-        The root unit keeps them either way (the backward starts with it at once).
+        ``True`` frees them even in the unit that ran its forward last, as FSDP2 does (by
+        default fullshard keeps that unit's, whose backward starts at once: Note [kept after
+        forward]); the root unit keeps them either way.
 
         Args:
             reshard_after_forward: as ``fully_shard``'s, a bool.
@@ -144,6 +146,7 @@ class FSDPModule:
             unit.drop_small()
             hooks = unit_hooks(unit.module)
             hooks.free_after_forward = reshard_after_forward and not hooks.is_root
+            hooks.keep_if_last = not reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2's hint that the next backward ends an accumulation, accepted for its code: fullshard

@@ -20,7 +20,8 @@
 # the root (whose outputs are the first to get gradients) and the unit that started
 # its forward last in the previous step (the first to get gradients in a sequential
 # model). Freeing them would only gather them again: one gather per step each saved,
-# for one unit's full parameters held a little longer.
+# for one unit's full parameters held a little longer. set_reshard_after_forward(True)
+# asks for FSDP2's behaviour instead: the unit that ran last frees too (the root never).
 #
 # Note [forward inside full_params]: inside full_params the modules hold the full master
 # parameters, so a forward there (evaluation, generation a token at a time) runs like the
@@ -345,6 +346,7 @@ class UnitHooks:
         self.ctx: RootContext | None = None
         self.is_root = False
         self.free_after_forward = unit.config.free_after_forward
+        self.keep_if_last = True  # Note [kept after forward]
         self.phase = Phase.IDLE
         self.needs_reduce = False
         self.ahead_of_use = False
@@ -432,7 +434,7 @@ class UnitHooks:
         if not torch.is_grad_enabled():
             self.unit.reshard()
             return output
-        if self.free_after_forward and not self.ctx.ran_last(self):  # Note [kept after forward]
+        if self.free_after_forward and not (self.keep_if_last and self.ctx.ran_last(self)):  # Note [kept after forward]
             self.unit.free_after_forward()
         for tensor in tensors_in(output):
             if tensor.requires_grad:
