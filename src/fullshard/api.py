@@ -43,6 +43,23 @@ class UnshardHandle:
         self._unit.wait_unshard()
 
 
+# FSDP2's FSDPModule methods fullshard does not offer, each with why (set on FSDPModule below it)
+NOT_OFFERED = {
+    "set_custom_all_gather": "a unit's gather is fullshard's own (one all-gather, or point-to-point on gloo), "
+                             "not a pluggable collective",
+    "set_custom_reduce_scatter": "a unit's reduction is fullshard's own; set_all_reduce_hook runs your code on "
+                                 "its result",
+    "set_post_optim_event": "the gathers wait for the compute stream, which the optimizer step ran on; no event "
+                            "is needed",
+    "set_reduce_scatter_unused_params": "parameters no rank has a gradient for keep theirs, by the has-gradient "
+                                        "flags",
+    "set_reduce_scatter_max_input_buffers": "fullshard's buffer pool sizes itself",
+    "set_separate_reduce_scatter_group": "reductions run on the shard group's own stream already",
+    "set_allocate_memory_from_process_group_for_comm": "communication buffers come from fullshard's pool",
+    "set_symm_mem_for_comm": "symmetric-memory collectives are not used",
+}
+
+
 def not_offered(name: str, why: str):
     """An FSDPModule method of FSDP2's that fullshard does not offer: calling it says why."""
     def method(self, *args, **kwargs) -> None:
@@ -215,22 +232,6 @@ class FSDPModule:
             raise fail(f"set_force_sum_reduction_for_comms({enable!r}) takes a bool", "Pass True or False.")
         self._unit().force_sum = enable
 
-    set_custom_all_gather = not_offered("set_custom_all_gather", "a unit's gather is fullshard's own (one "
-                                        "all-gather, or point-to-point on gloo), not a pluggable collective")
-    set_custom_reduce_scatter = not_offered("set_custom_reduce_scatter", "a unit's reduction is fullshard's own; "
-                                            "set_all_reduce_hook runs your code on its result")
-    set_post_optim_event = not_offered("set_post_optim_event", "the gathers wait for the compute stream, which "
-                                       "the optimizer step ran on; no event is needed")
-    set_reduce_scatter_unused_params = not_offered("set_reduce_scatter_unused_params", "parameters no rank has a "
-                                                   "gradient for keep theirs, by the has-gradient flags")
-    set_reduce_scatter_max_input_buffers = not_offered("set_reduce_scatter_max_input_buffers", "fullshard's "
-                                                       "buffer pool sizes itself")
-    set_separate_reduce_scatter_group = not_offered("set_separate_reduce_scatter_group", "reductions run on the "
-                                                    "shard group's own stream already")
-    set_allocate_memory_from_process_group_for_comm = not_offered(
-        "set_allocate_memory_from_process_group_for_comm", "communication buffers come from fullshard's pool")
-    set_symm_mem_for_comm = not_offered("set_symm_mem_for_comm", "symmetric-memory collectives are not used")
-
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these units, in this order, when this unit's forward starts.
 
@@ -316,6 +317,10 @@ class FSDPModule:
             "Copy the model before sharding it, or build a new one and load "
             "fullshard.get_state_dict(model) into it.",
         )
+
+
+for _name, _why in NOT_OFFERED.items():
+    setattr(FSDPModule, _name, not_offered(_name, _why))
 
 
 def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -201,11 +201,17 @@ def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool) -> tu
             split *= tp.mesh.size(dim)
     if split > 1:
         dp = tuple(_StridedShard(0, split_factor=split) if isinstance(p, Shard) else p for p in dp)
-    key = (group.mesh, tp.mesh)
+    return spmd_mesh(group.mesh, tp.mesh), (*dp, *tp.placements)
+
+
+def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of both dims (dp's, then TP's), made once per pair; RuntimeError when they are
+    not distinct dims of one mesh."""
+    key = (dp_mesh, tp_mesh)
     if key not in _spmd_meshes:
-        _spmd_meshes[key] = DeviceMesh._concatenate([group.mesh, tp.mesh])
+        _spmd_meshes[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
         holds_first_rank(_spmd_meshes[key])
-    return _spmd_meshes[key], (*dp, *tp.placements)
+    return _spmd_meshes[key]
 
 
 def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, fqn: str) -> None:
@@ -221,7 +227,7 @@ def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, f
                    f"be named dims of one mesh", 'Build init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", '
                    '"tp")) and pass mesh_2d["dp"] to fully_shard, mesh_2d["tp"] to parallelize_module.')
     try:
-        DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        spmd_mesh(dp_mesh, tp_mesh)
     except RuntimeError as e:
         raise fail(f"parameter {fqn!r}: its TP mesh {tp_mesh.mesh_dim_names} and the data-parallel mesh "
                    f"{dp_mesh.mesh_dim_names} are not distinct dims of one mesh ({e})",

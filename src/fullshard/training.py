@@ -51,9 +51,9 @@ def stats(model: nn.Module) -> Stats:
 
 def counts_once(grad: torch.Tensor) -> bool:
     """Whether this rank's piece of `grad` is the copy counted in a global norm: of the
-    ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim, and
-    of every dim its mesh lacks (a data-parallel sub-mesh: tensor parallelism keeps the
-    parameters it does not split equal on its ranks)."""
+    ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim, on the
+    copy of a sub-mesh that holds the whole mesh's first rank (a data-parallel sub-mesh:
+    tensor parallelism keeps the parameters it does not split equal on its ranks)."""
     if not isinstance(grad, DTensor):
         return dist.get_rank() == 0
     mesh = grad.device_mesh

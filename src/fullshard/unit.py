@@ -210,9 +210,10 @@ class Unit:
                            "assign=True) of a sharded or full state dict), or in place inside `with "
                            "fullshard.full_params(model):`.")
             return
-        self.adopt_replaced()
+        if self.pending is not None:  # a prefetch: replaced parameters drop what it gathered
+            self.adopt_replaced()
+        self.unshard()  # adopts replaced parameters (once per gather) unless already gathering
         if self.full_flat is not None:
-            self.unshard()
             start = time.perf_counter()
             with torch.profiler.record_function(f"fullshard::wait gather {self.fqn}"):
                 self.finish_gather()
