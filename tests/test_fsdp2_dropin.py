@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 import fullshard
 from fullshard.gpt import Block
 from tests.models import tiny_gpt, token_batch
-from tests.reference import full_state, max_diff
+from tests.reference import ADAMW_TOL, LOSS_TOL, full_state, max_diff
 from tests.test_errors import raises
 
 
@@ -278,8 +278,6 @@ def methods_job() -> dict:
     out["ignored"] = type(model.wpe.weight).__name__
     model(x, y).backward()  # the ignored weight's gradient is the user's; the optimizer check leaves it
     torch.optim.SGD(model.parameters(), lr=0.1).step()
-    out["placement"] = raises(lambda: fullshard.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))
-    fullshard.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0))
     out["not offered"] = raises(lambda: kept.set_custom_all_gather(None))
     return out
 
@@ -294,7 +292,6 @@ def test_fsdp2_methods_do_what_fsdp2_documents(world2):
         assert calls == 2 and hooked <= 1e-6 and others == 0.0, got  # once per block unit, in place
         assert got["reset"] <= 1e-6 and got["state_dict"] and got["method"] <= 1e-6, got
         assert got["mesh"] == ["Replicate()", "Shard(dim=0)"] and got["ignored"] == "Parameter", got
-        assert "Shard(0)" in got["placement"], got
         # the root kept until its backward (1 gather), the embedding gathered for forward only (1)
         assert got["unshard in backward"][0] == 2 and got["unshard in backward"][1] <= 1e-5, got
         assert "does not offer" in got["not offered"], got
@@ -380,44 +377,159 @@ def test_a_group_of_modules_is_one_unit(world2):
 
 
 class Mixed(nn.Module):
-    """A float64 layer and a float32 one in one unit (e.g. a norm kept in higher precision)."""
+    """Four dtypes in one unit: a float64 layer, a float32 one, frozen bf16 weights (as a
+    quantized base under trainable adapters) and a 0-d float16 scale."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.inner, self.outer = nn.Linear(6, 6).double(), nn.Linear(6, 3)
+        self.frozen = nn.Linear(6, 6).to(torch.bfloat16).requires_grad_(False)
+        self.inner, self.outer = nn.Linear(6, 5).double(), nn.Linear(5, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.outer(torch.tanh(self.inner(x)))
+        x = self.frozen(x.to(self.frozen.weight.dtype)).to(self.inner.weight.dtype)
+        return self.outer(torch.tanh(self.inner(x)).to(self.outer.weight.dtype)) * self.scale.to(x.dtype)
 
 
-def mixed_dtypes_job() -> dict:
-    """Parameters of two dtypes in one unit, computed in param_dtype: each shard keeps its own
-    dtype, gradients land in it, and training matches one process doing the same (fp32
-    compute on fp32 copies of the masters)."""
-    torch.manual_seed(0)
-    model = Mixed()
-    reference = copy.deepcopy(model)
-    fullshard.fully_shard(model, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=torch.float32))
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+def mixed_dtypes_job(tmp: str) -> dict:
+    """Parameters of four dtypes in one unit, trained 3 SGD steps against one process on the
+    whole batch: without a param_dtype each computes in its own dtype (the gather moves bytes,
+    gradients reduce per dtype), also with CPU offload and with reshard_after_forward=2 at
+    world 4; with param_dtype=float32 all compute in float32 (the reference computes on float32
+    copies of the masters). Shards and gradients keep the masters' dtypes, and a checkpoint of
+    the mixed unit loads back bitwise."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    for step in range(3):
-        x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(step))
-        model(x.chunk(world)[rank]).square().mean().backward()
-        copies = {n: p.float() for n, p in reference.named_parameters()}  # fp32 compute, fp64 masters
-        torch.func.functional_call(reference, copies, (x,)).square().mean().backward()
-        for opt in (optimizer, ref_optimizer):
-            opt.step()
-            opt.zero_grad()
-    with fullshard.full_params(model, writeback=False):
-        kept = sorted({str(p.dtype) for p in model.parameters()})
-    return {"dtypes": dtypes, "full_params": kept, "param": max_diff(full_state(model), full_state(reference)),
-            "refused": raises(lambda: fullshard.fully_shard(Mixed()))}
+    cases = {"own dtypes": {}, "offload": {"offload_policy": fullshard.CPUOffloadPolicy(pin_memory=False)},
+             "fp32 compute": {"mp_policy": fullshard.MixedPrecisionPolicy(param_dtype=torch.float32)}}
+    if world == 4:
+        cases["reshard to 2"] = {"reshard_after_forward": 2}
+    got = {}
+    for name, options in cases.items():
+        torch.manual_seed(0)
+        model = Mixed()
+        reference = copy.deepcopy(model)
+        fullshard.fully_shard(model, **options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(step))
+            model(x.chunk(world)[rank]).square().mean().backward()
+            if "mp_policy" in options:  # fp32 compute, masters of their own dtypes
+                copies = {n: p.float() for n, p in reference.named_parameters()}
+                torch.func.functional_call(reference, copies, (x,)).square().mean().backward()
+            else:
+                reference(x).square().mean().backward()
+            grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+            for opt in (optimizer, ref_optimizer):
+                opt.step()
+                opt.zero_grad()
+        with fullshard.full_params(model, writeback=False):
+            kept = sorted({str(p.dtype) for p in model.parameters()})
+        got[name] = {"dtypes": sorted({str(p.dtype) for p in model.parameters()}), "full_params": kept,
+                     "grad dtypes": grad_dtypes, "param": max_diff(full_state(model), full_state(reference))}
+    path = os.path.join(tmp, "mixed")
+    fullshard.save(path, model, optimizer, step=3)
+    fresh = Mixed()
+    fullshard.fully_shard(fresh, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=torch.float32))
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    fullshard.load(path, fresh, fresh_optimizer)
+    got["reload"] = max_diff(full_state(fresh), full_state(model))
+    return got
 
 
-def test_parameters_of_several_dtypes_share_a_unit_with_a_param_dtype(world2):
-    for got in world2.run(mixed_dtypes_job):
-        assert got["dtypes"] == got["full_params"] == ["torch.float32", "torch.float64"], got
-        assert got["param"] <= 1e-7, got  # fp32 computations summed over ranks in another order
-        assert "param_dtype" in got["refused"], got
+def test_parameters_of_several_dtypes_share_a_unit(world2, world4, tmp_path):
+    all_dtypes = ["torch.bfloat16", "torch.float16", "torch.float32", "torch.float64"]
+    for world, tmp in ((world2, tmp_path / "2"), (world4, tmp_path / "4")):
+        for got in world.run(mixed_dtypes_job, tmp=str(tmp)):
+            assert got["reload"] == 0.0, got
+            for name in ("own dtypes", "offload", "fp32 compute") + (("reshard to 2",) if world is world4 else ()):
+                case = got[name]
+                assert case["dtypes"] == all_dtypes and case["grad dtypes"] == all_dtypes[1:], (name, case)
+                assert case["full_params"] == all_dtypes, (name, case)  # full_params shows the masters
+                # the same arithmetic as one process but for the order in which ranks' gradients are summed:
+                # float32 rounding of parameters near 1, times lr, over 3 steps
+                assert case["param"] <= 1e-7, (name, case)
+
+
+class Experts(nn.Module):
+    """A layer and two experts' weights [experts, in, out]: with fewer experts than ranks,
+    FSDP2 users split such weights along another dim than 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 3)
+        self.experts = nn.Parameter(torch.randn(2, 5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) + torch.einsum("bi,eio->bo", x, self.experts)
+
+
+def last_dim(param: nn.Parameter):
+    from torch.distributed.tensor import Shard  # noqa: PLC0415
+
+    return Shard(-1) if param.dim() >= 2 else None
+
+
+def placement_job(tmp: str) -> dict:
+    """shard_placement_fn splitting every matrix along its last dim: placements and local
+    shapes as DTensor's Shard(d) chunks them, AdamW with clipping against one process (also with
+    CPU offload, and built on meta then to_empty and filled in full_params), a checkpoint that
+    loads into a dim-0 model bitwise, and refusals of what cannot be split."""
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    got = {}
+    for name in ("fp32", "offload", "meta"):
+        torch.manual_seed(0)
+        reference = Experts()
+        with torch.device("meta" if name == "meta" else "cpu"):
+            model = Experts()
+        fullshard.fully_shard(model, shard_placement_fn=last_dim, offload_policy=fullshard.CPUOffloadPolicy(
+            pin_memory=False) if name == "offload" else None)
+        if name == "meta":
+            model.to_empty(device="cpu")
+            with fullshard.full_params(model):
+                model.load_state_dict(reference.state_dict())
+        else:
+            model.load_state_dict({k: v.detach().clone() for k, v in reference.state_dict().items()}, assign=True)
+        got[name] = {"layout": {n: (repr(p.placements[0]), tuple(p.to_local().shape)) for n, p in model.named_parameters()}}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+        norms = []
+        for step in range(3):
+            x = torch.randn(4 * world, 5, generator=torch.Generator().manual_seed(step))
+            model(x.chunk(world)[rank]).square().mean().backward()
+            reference(x).square().mean().backward()
+            norms.append(abs(fullshard.clip_grad_norm_(model, 0.5).item() -
+                             torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5).item()))
+            for opt in (optimizer, ref_optimizer):
+                opt.step()
+                opt.zero_grad()
+        got[name].update(param=max_diff(full_state(model), full_state(reference)), norm=max(norms))
+    path = os.path.join(tmp, "placed")
+    fullshard.save(path, model, optimizer, step=3)
+    rows = Experts()
+    fullshard.fully_shard(rows)
+    rows_optimizer = torch.optim.AdamW(rows.parameters(), lr=0.01)
+    fullshard.load(path, rows, rows_optimizer)
+    got["reload"] = max_diff(full_state(rows), full_state(model))
+    got["refused"] = [raises(lambda fn=fn: fullshard.fully_shard(Experts(), shard_placement_fn=fn))
+                      for fn in (lambda p: Replicate(), lambda p: Shard(p.dim()))]
+    return got
+
+
+def test_shard_placement_fn_splits_along_another_dim(world4, tmp_path):
+    shapes = {name: p.shape for name, p in Experts().named_parameters()}
+    for rank, got in enumerate(world4.run(placement_job, tmp=str(tmp_path))):
+        expected = {}  # torch.chunk's split over 4 ranks along the dim asked for, as DTensor's Shard(d) places it
+        for name, shape in shapes.items():
+            dim = len(shape) - 1 if len(shape) >= 2 else 0
+            chunks = torch.empty(shape).chunk(4, dim)
+            local = chunks[rank].shape if rank < len(chunks) else shape[:dim] + (0,) + shape[dim + 1 :]
+            expected[name] = (f"Shard(dim={dim})", tuple(local))
+        for name in ("fp32", "offload", "meta"):
+            case = got[name]
+            assert case["layout"] == expected, (name, case)
+            assert case["param"] <= ADAMW_TOL and case["norm"] <= LOSS_TOL, (name, case)
+        assert got["reload"] == 0.0, got
+        assert "Shard(d)" in got["refused"][0] and "Shard(d)" in got["refused"][1], got["refused"]

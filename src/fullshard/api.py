@@ -367,16 +367,25 @@ def ddp_averaged() -> WeakIdKeyDictionary:
     return _DDP_AVERAGED
 
 
-def check_placements(owned: list[OwnedParam], shard_placement_fn) -> None:
-    """Refuse a shard_placement_fn that asks for anything but fullshard's rows (Shard(0))."""
-    from torch.distributed.tensor import Shard  # noqa: PLC0415
+def place(owned: list[OwnedParam], shard_placement_fn) -> None:
+    """Set the dim each parameter is split along from FSDP2's shard_placement_fn (Note [another
+    dim]): None is Shard(0); a negative dim counts from the last."""
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
 
     for o in owned:
         placement = shard_placement_fn(o.param)
-        if placement is not None and placement != Shard(0):
-            raise fail(f"shard_placement_fn asked for {placement} for {o.fqn!r}; fullshard shards every parameter "
-                       f"by rows (Shard(0))", "Return None or Shard(0), or drop shard_placement_fn "
-                       "(docs/migrating.md).")
+        if placement is None:
+            continue
+        ndim = o.param.dim()
+        if type(placement) is not Shard or not -ndim <= placement.dim < max(ndim, 1):
+            raise fail(f"shard_placement_fn returned {placement!r} for {o.fqn!r}, a parameter of shape "
+                       f"{tuple(o.param.shape)}", f"Return None or Shard(d) with -{ndim} <= d < {ndim} "
+                       "(a 0-d parameter takes None or Shard(0)).")
+        if placement.dim % max(ndim, 1) and isinstance(o.param, DTensor):
+            raise fail(f"shard_placement_fn asked for Shard({placement.dim}) for {o.fqn!r}, a tensor-parallel "
+                       "DTensor; fullshard splits those along dim 0 only", "Return None for tensor-parallel "
+                       "parameters.")
+        o.dim = placement.dim % max(ndim, 1)
 
 
 def reshard_for_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -597,8 +606,8 @@ def fully_shard(
     """Make `module` one unit: its parameters (those no inner unit owns) are sharded together.
 
     Apply bottom-up: inner modules first, the root last. Afterwards every managed
-    parameter is an ``nn.Parameter`` wrapping a ``DTensor`` sharded ``Shard(0)`` over the
-    mesh's shard dimension (``Replicate()`` over a replicate dimension), so an optimizer
+    parameter is an ``nn.Parameter`` wrapping a ``DTensor`` sharded ``Shard(0)`` (or the
+    dim ``shard_placement_fn`` gives) over the mesh's shard dimension (``Replicate()`` over a replicate dimension), so an optimizer
     built from ``model.parameters()`` steps on shards. Before the unit's forward and
     backward one all-gather rebuilds the full parameters; after its backward one
     reduce-scatter leaves each rank the average gradient of its shard. The module's
@@ -620,8 +629,9 @@ def fully_shard(
             of k consecutive ranks (e.g. a node); ``None`` (FSDP2's default) is ``True``, the
             root keeping them either way. A forward without autograd (``torch.no_grad()``)
             always frees them.
-        shard_placement_fn: FSDP2's per-parameter placement; fullshard shards dim 0 only, so
-            it may return ``None`` or ``Shard(0)``.
+        shard_placement_fn: FSDP2's per-parameter placement: a function of each parameter
+            returning ``Shard(d)`` to split it along dim d (a negative d counts from the
+            last), or ``None`` for ``Shard(0)``.
         mp_policy: a :class:`MixedPrecisionPolicy`.
         offload_policy: a :class:`CPUOffloadPolicy`.
         ignored_params: parameters under `module` that stay as they are: not sharded, not
@@ -658,7 +668,7 @@ def fully_shard(
     owned = owned_by(modules, [*_exclude, *(ignored_params or ())])
     _IGNORED.update((p, True) for p in ignored_params or ())
     if shard_placement_fn is not None:
-        check_placements(owned, shard_placement_fn)
+        place(owned, shard_placement_fn)
     group = shard_group(mesh)
     check_owned(what, owned, group)
     check_ranks_agree(f"this {what}",
@@ -676,12 +686,6 @@ def fully_shard(
         post_forward_world = 1 if k == group.world else k  # k = world is True; k = 1 keeps everything
         reshard_after_forward = k > 1
     mp = mp_policy or MixedPrecisionPolicy()
-    if len({o.param.dtype for o in owned}) > 1 and mp.param_dtype is None:
-        listing = ", ".join(f"{o.fqn!r}: {o.param.dtype}" for o in owned)
-        raise fail(f"the parameters of this {what} have different dtypes ({listing}) and no param_dtype to "
-                   f"gather and compute them in; one unit communicates them in one buffer",
-                   "Pass mp_policy=MixedPrecisionPolicy(param_dtype=...) (each keeps its own dtype as its "
-                   "shard), give them one dtype (module.to(dtype)), or shard the differing submodules first.")
     config = UnitConfig(
         free_after_forward=reshard_after_forward,
         post_forward_world=post_forward_world,

@@ -189,10 +189,13 @@ def holds_first_rank(mesh: DeviceMesh) -> bool:
     return _first_rank_copies[id(mesh)][1]
 
 
-def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The mesh and placements of a parameter's shard: the data-parallel ones, then (for a
-    tensor-parallel DTensor, Note [tensor parallel parameters]) the TP mesh's."""
+def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool,
+                dim: int = 0) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a parameter's shard split along `dim`: the data-parallel
+    ones, then (for a tensor-parallel DTensor, Note [tensor parallel parameters]) the TP mesh's."""
     dp = group.replicated_placements if zero_dim else group.sharded_placements
+    if dim:
+        dp = tuple(Shard(dim) if isinstance(p, Shard) else p for p in dp)
     if tp is None:
         return group.mesh, dp
     split = 1  # TP shards of dim 0 that the dp split goes inside

@@ -11,6 +11,14 @@
 # takes one slot in every rank's shard, is a Replicate() DTensor, and every rank computes
 # with rank 0's copy.
 #
+# Note [another dim]: FSDP2's shard_placement_fn may ask to split a parameter along dim
+# d > 0 (Shard(d), e.g. experts' weights when experts are fewer than ranks). The unit
+# stores such a parameter rows-first, dim d moved to the front (`rows`), so its shard,
+# gather and reduction are those of a dim-0 split of that layout. What modules and
+# users see is that storage viewed back in the parameter's own order (`unrows`): the
+# shard is a Shard(d) DTensor over a strided view, the full parameter a strided view of
+# the gathered storage, and a full gradient is laid rows-first as it is packed.
+#
 # Note [tensor parallel parameters]: a parameter that is already a DTensor on a tensor-
 # parallel mesh (parallelize_module) is sharded from its local part: the rows this rank's
 # TP position holds are what the unit splits, gathers over the data-parallel ranks only
@@ -49,8 +57,13 @@ def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
     return rows_per_shard, max(0, min(rows_per_shard, dim0 - rank * rows_per_shard))
 
 
+def rows_first(shape: torch.Size, dim: int) -> torch.Size:
+    """A parameter's shape as the unit stores it: split dim first (Note [another dim])."""
+    return torch.Size((shape[dim], *shape[:dim], *shape[dim + 1 :])) if shape else shape
+
+
 def shard_numel(shape: torch.Size, world: int) -> int:
-    """Elements one rank stores for a parameter of `shape`, padding included."""
+    """Elements one rank stores for a parameter of `shape` (rows first), padding included."""
     if len(shape) == 0:
         return 1
     return shard_rows(shape[0], world, 0)[0] * math.prod(shape[1:])
@@ -79,20 +92,23 @@ class ShardedParam:
         group: ShardGroup,
         segment: torch.Tensor,
         full_segment: torch.Tensor | None,
+        dim: int = 0,
     ) -> None:
         """`segment` is this parameter's part of the unit's flat shard; `full_segment` its
-        part of the unit's full storage (None when one rank holds every row)."""
+        part of the unit's full storage (None when one rank holds every row); `dim` the
+        dim it is split along (Note [another dim])."""
         self.fqn = fqn
+        self.dim = dim
         self.slots = slots  # every (module, attribute) the parameter is registered under
         tp = original._spec if isinstance(original, DTensor) else None  # Note [tensor parallel parameters]
         self.tp_mesh = tp.mesh if tp else None
         self.tp_placements = tuple(tp.placements) if tp else ()
-        values = local_values(original).detach()
-        self.shape = values.shape  # what the unit splits: the TP-local part
+        values = self.rows(local_values(original).detach())
+        self.shape = values.shape  # what the unit splits: the TP-local part, rows first
         self.global_shape = original.shape
         self.global_stride = torch.empty(self.global_shape, device="meta").stride()
         self.replicated = original.dim() == 0
-        self.mesh, self.placements = spmd_layout(group, tp, self.replicated)
+        self.mesh, self.placements = spmd_layout(group, tp, self.replicated, dim)
         if self.replicated:
             rows_per_shard, local_rows, first_row = 1, 1, 0
         else:
@@ -115,8 +131,18 @@ class ShardedParam:
             self.full_padded = segment  # one rank holds every row, in the master dtype: full and shard are one
         else:
             self.full_padded = full_segment.view(self.padded_shape)  # [world * rows_per_shard, *shape[1:]]
-        self.unsharded = nn.Parameter(self.on_tp_mesh(alias(self.full_padded, self.shape)), requires_grad=requires_grad)
+        full = self.unrows(alias(self.full_padded, self.shape))
+        self.unsharded = nn.Parameter(self.on_tp_mesh(full), requires_grad=requires_grad)
         return segment[: self.local_shape.numel()].view(self.local_shape)
+
+    def rows(self, value: torch.Tensor) -> torch.Tensor:
+        """A value of the parameter's layout (or its shard's) viewed as the unit stores it,
+        split dim first (Note [another dim])."""
+        return value if self.dim == 0 else value.movedim(self.dim, 0)
+
+    def unrows(self, value: torch.Tensor) -> torch.Tensor:
+        """The inverse of `rows`: a stored value viewed in the parameter's own dim order."""
+        return value if self.dim == 0 else value.movedim(0, self.dim)
 
     def rebind(self, segment: torch.Tensor, full_segment: torch.Tensor | None) -> None:
         """Move onto new storage (deferred init, Module.to_empty), keeping the values the shard
@@ -130,9 +156,9 @@ class ShardedParam:
                                                             requires_grad=self.sharded.requires_grad))
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap this rank's rows (of the parameter or of its gradient) as a DTensor."""
+        """Wrap this rank's rows (of the parameter or of its gradient, stored rows first) as a DTensor."""
         return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False,
+            self.unrows(local), self.mesh, self.placements, run_check=False,
             shape=self.global_shape, stride=self.global_stride,
         )
 
@@ -162,7 +188,7 @@ class ShardedParam:
 
     def full_grad(self) -> torch.Tensor | None:
         """The full parameter's gradient, taken: a plain tensor of the local part's shape,
-        added to what `hold_grad` kept. A TP gradient that is still a partial sum over the TP
+        added to what `hold_grad` kept, rows first. A TP gradient that is still a partial sum over the TP
         ranks (a replicated weight applied to sequence-parallel activations) is summed over
         them first."""
         grad = self.unsharded.grad
@@ -170,6 +196,8 @@ class ShardedParam:
             if tuple(grad.placements) != self.tp_placements:  # e.g. Partial()
                 grad = grad.redistribute(placements=self.tp_placements)
             grad = grad.to_local()
+        if grad is not None:
+            grad = self.rows(grad)
         if self.accumulated is not None:
             if grad is not None:
                 self.accumulated.add_(grad)
@@ -194,7 +222,12 @@ class ShardedParam:
             (0 if self.accumulated is None else self.accumulated.nbytes)
 
     def local_shard(self) -> torch.Tensor:
-        return self.sharded.to_local()
+        """This rank's rows of the shard, rows first (a view of the unit's storage)."""
+        return self.rows(self.sharded.to_local())
+
+    def local_grad(self) -> torch.Tensor:
+        """This rank's rows of the shard's gradient, rows first."""
+        return self.rows(self.sharded.grad.to_local())
 
     def replacement(self, full: bool) -> torch.Tensor | None:
         """What a module holds in place of this parameter's shard (`full`: its full parameter),
@@ -220,7 +253,7 @@ class ShardedParam:
                        "sharded alike) or of full tensors, or change values in place inside `with "
                        "fullshard.full_params(model):`.")
         with torch.no_grad():
-            self.local_shard().copy_(new.to_local() if same else self.rows_of(new))
+            self.local_shard().copy_(self.rows(new.to_local()) if same else self.rows_of(new))
         if same and isinstance(new, nn.Parameter):
             torch.utils.swap_tensors(new, nn.Parameter(self.as_dtensor(self.local_shard()),
                                                        requires_grad=new.requires_grad))
@@ -240,18 +273,18 @@ class ShardedParam:
             module._parameters[name] = self.sharded
 
     def unpad(self, full_padded: torch.Tensor) -> torch.Tensor:
-        """The parameter's own elements of a padded full tensor."""
-        return full_padded[0] if self.replicated else full_padded[: self.shape[0]]
+        """The parameter's own elements of a padded full tensor (stored rows first), in its own layout."""
+        return full_padded[0] if self.replicated else self.unrows(full_padded[: self.shape[0]])
 
     def rows_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full value: a plain tensor of the parameter's shape, or as
-        forward sees the parameter (a DTensor on the TP mesh)."""
+        """This rank's rows (rows first) of a full value: a plain tensor of the parameter's
+        shape, or as forward sees the parameter (a DTensor on the TP mesh)."""
         if isinstance(full, DTensor):
             same = full.device_mesh == self.tp_mesh and tuple(full.placements) == self.tp_placements
             full = full.to_local() if same else self.tp_part(full.full_tensor())
         elif self.tp_mesh is not None:
             full = self.tp_part(full)
-        return full if self.replicated else full[self.first_row : self.first_row + self.local_shape[0]]
+        return full if self.replicated else self.rows(full)[self.first_row : self.first_row + self.local_shape[0]]
 
     def write_back(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of an edited full value (see rows_of) into the shard."""
@@ -265,4 +298,4 @@ class ShardedParam:
             self.sharded.grad = self.as_dtensor(local_grad)
         else:
             with torch.no_grad():
-                self.sharded.grad.to_local().add_(local_grad)
+                self.local_grad().add_(local_grad)

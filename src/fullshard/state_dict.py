@@ -148,7 +148,7 @@ def full_state_value(value: DTensor, unit: Unit, param: ShardedParam, what: str)
     if param.replicated:
         return local
     padded = torch.zeros(param.shard_numel, dtype=local.dtype, device=local.device)
-    padded[: local.numel()].copy_(local.reshape(-1))
+    padded[: local.numel()].copy_(param.rows(local).reshape(-1))
     return param.whole(unit.gather_values([param], [padded], local.dtype, what)[0])
 
 
@@ -236,7 +236,7 @@ def load_model_state(model: nn.Module, model_sd: Mapping[str, torch.Tensor]) -> 
                 value_of(entry).copy_(value.full_tensor() if isinstance(value, DTensor) else value)
             elif isinstance(value, DTensor) and value.device_mesh == entry.mesh and \
                     tuple(value.placements) == tuple(entry.placements):
-                entry.local_shard().copy_(value.to_local())
+                entry.local_shard().copy_(entry.rows(value.to_local()))
             else:
                 entry.write_back(value.full_tensor() if isinstance(value, DTensor) else value)
     reshard_all(model)

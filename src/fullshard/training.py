@@ -24,6 +24,10 @@ from fullshard.unit import ShardState, Unit, unit_of
 
 
 def units_of(model: nn.Module, what: str) -> list[Unit]:
+    if not isinstance(model, nn.Module):  # e.g. model.parameters(), as torch's clip_grad_norm_ takes
+        raise fail(f"{what} takes the sharded model (an nn.Module), got {type(model).__name__}",
+                   "Pass the model itself (torch's own clip_grad_norm_ takes model.parameters() and works on "
+                   "fullshard's gradients too).")
     units = units_under(model)
     if not units:
         raise fail(f"{what} was given a model that fullshard has not sharded",

@@ -15,6 +15,14 @@ A training step moves every unit through the same cycle (hooks.py decides when):
 # the ranks per node), with the same code as a normal gather over k ranks whose shards
 # are world/k times longer. The copy is dropped once used, or at the next forward.
 
+# Note [bytes on the wire]: a unit's parameters may have several dtypes (a norm kept in
+# float32 among bf16 weights, frozen int8 weights beside trainable adapters). Each keeps
+# its own as its shard. With a param_dtype they are all gathered and computed in it, the
+# gather's staging copy casting. Without one, each full parameter has its master's dtype,
+# so the one gather moves bytes: every shard is viewed as uint8, and the full storage is
+# bytes with each parameter's block aligned for its dtype. Gradients cannot be summed as
+# bytes: the unit reduce-scatters once per reduce dtype.
+
 Between steps every unit is SHARDED with no collective in flight: the modules hold
 the DTensor shards, which is all the optimizer sees. While FULL, the modules hold
 plain full parameters, views of one storage per unit that exists only while needed.
@@ -38,7 +46,7 @@ from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingRed
                                    reduce_scatter_grads)
 from fullshard.errors import FullShardError, fail
 from fullshard.mesh import ShardGroup, smaller_group
-from fullshard.param import ShardedParam, local_values, shard_numel
+from fullshard.param import ShardedParam, local_values, rows_first, shard_numel
 from fullshard.runtime import CollectiveError, OverdueCollective
 from fullshard.stats import Stats
 
@@ -69,6 +77,7 @@ class OwnedParam:
     param: nn.Parameter
     fqn: str  # relative to the unit's module
     slots: list[tuple[nn.Module, str]]
+    dim: int = 0  # the dim it is split along (FSDP2's shard_placement_fn, Note [another dim])
 
 
 LIVE_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()  # (no weakrefs to parameters: materialize swaps them)
@@ -100,18 +109,19 @@ class Unit:
         self.unlanded: list[tuple[list[ShardedParam], torch.Tensor, torch.Tensor]] = []  # Note [landing]
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
-        self.shard_numels = [shard_numel(local_values(o.param).shape, group.world) for o in owned]
+        self.shard_numels = [shard_numel(rows_first(local_values(o.param).shape, o.dim), group.world) for o in owned]
         self.set_master_dtypes([o.param.dtype for o in owned])
         self.compute_device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
         segments = self.allocate()
-        self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment) for o, segment in zip(owned, segments)]
+        self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment, o.dim)
+                       for o, segment in zip(owned, segments)]
         self.release_storage()
         for p in self.params:
             p.to_sharded()
         self.state = ShardState.SHARDED
         LIVE_UNITS.add(self)
         self.pending: PendingGather | None = None
-        self.pending_reduce: tuple[list[ShardedParam], bool, PendingReduce] | None = None
+        self.pending_reduce: list[tuple[list[ShardedParam], bool, PendingReduce]] = []  # one per reduce dtype
         self.small_group = smaller_group(group, config.post_forward_world) if self.full_flat is not None else None
         self.small: torch.Tensor | None = None  # Note [smaller world after forward]
         self.gathering_small = False
@@ -129,11 +139,18 @@ class Unit:
     # ---- storage -----------------------------------------------------------------
 
     def set_master_dtypes(self, dtypes: list[torch.dtype]) -> None:
-        """The shards' dtypes (each parameter's own; several only with a param_dtype, which
-        fully_shard checks), and the compute and reduce dtypes the policy leaves to them."""
+        """The shards' dtypes (each parameter's own) and what the policy makes of them: each full
+        parameter's dtype (param_dtype, else its master's), each gradient's reduce dtype, and the
+        dtype a gather moves (Note [bytes on the wire])."""
         self.master_dtypes = dtypes
-        self.compute_dtype = self.config.param_dtype or (dtypes[0] if dtypes else torch.float32)
-        self.reduce_dtype = self.config.reduce_dtype or self.compute_dtype
+        self.full_dtypes = [self.config.param_dtype or dtype for dtype in dtypes]
+        self.reduce_dtypes = [self.config.reduce_dtype or dtype for dtype in self.full_dtypes]
+        one = set(self.full_dtypes)
+        self.wire_dtype = one.pop() if len(one) == 1 else torch.uint8 if one else torch.float32
+
+    def on_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors as a gather moves them: as they are, or as their bytes (Note [bytes on the wire])."""
+        return tensors if self.wire_dtype != torch.uint8 else [t.view(torch.uint8) for t in tensors]
 
     def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """New flat storage for the shards (the masters) and the full parameters; returns
@@ -147,17 +164,20 @@ class Unit:
         # Note [stable full params]: one storage for every full parameter of the unit;
         # none when they can be the shards themselves (one rank, same dtype, same memory:
         # a CPU-offloaded shard is host memory, which a GPU does not compute with)
-        same = (group.shard_pg is None and all(dtype == self.compute_dtype for dtype in self.master_dtypes)
+        same = (group.shard_pg is None and self.full_dtypes == self.master_dtypes
                 and not runtime.active.separate_memory(shard_device, self.compute_device, offloaded=config.offload))
-        self.full_flat = None if same else torch.empty(group.world * sum(self.shard_numels), dtype=self.compute_dtype,
-                                                       device=self.compute_device)  # per-parameter blocks
-        self.full_bytes = 0 if same else self.full_flat.untyped_storage().nbytes()
-        segments, offset = [], 0
-        for shard, numel in zip(self.shards, self.shard_numels):
-            full = None if same else self.full_flat[group.world * offset : group.world * (offset + numel)]
-            segments.append((shard, full))
-            offset += numel
-        return segments
+        if same:
+            self.full_flat, self.full_bytes = None, 0
+            return [(shard, None) for shard in self.shards]
+        starts, end = [], 0  # each parameter's block of bytes, [world * shard_numel] of its full dtype
+        for numel, dtype in zip(self.shard_numels, self.full_dtypes):
+            size = dtype.itemsize
+            starts.append(-(-end // size) * size)  # aligned for its dtype (only mixed dtypes need it)
+            end = starts[-1] + group.world * numel * size
+        self.full_flat = torch.empty(end, dtype=torch.uint8, device=self.compute_device)  # [unit full bytes]
+        self.full_bytes = self.full_flat.untyped_storage().nbytes()
+        return [(shard, self.full_flat[start : start + group.world * numel * dtype.itemsize].view(dtype))
+                for shard, start, numel, dtype in zip(self.shards, starts, self.shard_numels, self.full_dtypes)]
 
     def release_storage(self) -> None:
         if self.full_flat is not None:
@@ -188,12 +208,13 @@ class Unit:
         if self.debug:
             self.check_agreement(0)
         self.gathering_small = self.small is not None
-        source, group = ([self.small], self.small_group) if self.gathering_small else (self.shards, self.group.shard_pg)
+        source, group = ([self.small], self.small_group) if self.gathering_small else \
+            (self.on_wire(self.shards), self.group.shard_pg)
         with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
             runtime.active.allocated(self.full_flat)
             self.stats.full_params(self.full_bytes)
-            self.pending = gather_full(source, group=group, dtype=self.compute_dtype,
+            self.pending = gather_full(source, group=group, dtype=self.wire_dtype,
                                        device=self.compute_device, pool=self.pool, caller=self.caller(0, "all-gather"))
         if group is not None:
             self.stats.count(self.fqn, "gather", self.pending.sent_bytes)
@@ -220,8 +241,8 @@ class Unit:
             self.stats.wait_s += time.perf_counter() - start
             runtime.active.reads(self.full_flat)  # forward and backward compute with it
             with torch.no_grad():
-                for p in self.params:
-                    if p.replicated and p.sharded.dtype == self.compute_dtype:  # every rank's copy equal to
+                for p, dtype in zip(self.params, self.full_dtypes):
+                    if p.replicated and p.sharded.dtype == dtype:  # every rank's copy equal to
                         # the one used, Note [shard layout]; offload: to the host, no wait
                         runtime.active.copy_(p.local_shard(), local_values(p.unsharded))
         for p in self.params:
@@ -257,7 +278,8 @@ class Unit:
     def finish_gather(self) -> None:
         """Wait for the gather in flight into the full parameters; drop the copy it gathered from."""
         try:
-            finish_gather(self.pending, [p.full_padded for p in self.params], self.gathered_numels(), self.pool)
+            finish_gather(self.pending, self.on_wire([p.full_padded for p in self.params]), self.gathered_numels(),
+                          self.pool)
         except CollectiveError as e:
             raise self.failed("all-gather", e) from None
         self.pending = None
@@ -298,17 +320,18 @@ class Unit:
                        "parameters while debug checks are on; make the model's control flow the same on every rank.")
 
     def gathered_numels(self) -> list[int]:
-        """Elements each rank of the gathering group holds per parameter."""
+        """Elements (of the wire dtype) each rank of the gathering group holds per parameter."""
         longer = self.group.world // self.config.post_forward_world if self.gathering_small else 1
-        return [longer * numel for numel in self.shard_numels]
+        per_element = [dtype.itemsize // self.wire_dtype.itemsize for dtype in self.full_dtypes]
+        return [longer * numel * size for numel, size in zip(self.shard_numels, per_element)]
 
     def free_after_forward(self) -> None:
         """reshard() after forward, keeping this rank's 1/k first (Note [smaller world after forward])."""
         if self.small_group is not None and self.state is ShardState.FULL:
             block = self.group.world // self.config.post_forward_world  # ranks whose shards this rank keeps
             first = self.small_group.rank() * block
-            self.small = torch.cat([p.full_padded.view(self.group.world, -1)[first : first + block].reshape(-1)
-                                    for p in self.params])  # [block * unit_shard_numel]
+            self.small = torch.cat([full.view(self.group.world, -1)[first : first + block].reshape(-1)
+                                    for full in self.on_wire([p.full_padded for p in self.params])])
             runtime.active.reads(self.full_flat)
             runtime.active.allocated(self.small)
             runtime.active.writes(self.small)
@@ -381,8 +404,8 @@ class Unit:
         if self.sync_grads:
             self.reduce_grads()
         else:
-            for p in self.params:
-                p.hold_grad(self.reduce_dtype)
+            for p, dtype in zip(self.params, self.reduce_dtypes):
+                p.hold_grad(dtype)
             self.count_full_grads()
         if self.reshard_after_backward:
             self.reshard()
@@ -390,32 +413,35 @@ class Unit:
     def reduce_grads(self) -> None:
         """Start averaging the full gradients over the data-parallel ranks (finish_reduce lands them).
 
-        One reduce-scatter (plus one all-reduce across replicas) for the whole unit.
+        One reduce-scatter (plus one all-reduce across replicas) for the whole unit, or one per
+        reduce dtype when its gradients have several (Note [bytes on the wire]).
         """
         self.finish_reduce()  # a unit reduced twice in one backward (used twice in forward)
-        grad_params = [p for p in self.params if p.sharded.requires_grad]
-        if not grad_params:
+        trainable = [(p, dtype) for p, dtype in zip(self.params, self.reduce_dtypes) if p.sharded.requires_grad]
+        if not trainable:
             return
         group = self.group
-        numels = [p.shard_numel for p in grad_params]
         self.count_full_grads()
-        full_grads = [p.full_grad() for p in grad_params]
-        all_here = all(g is not None for g in full_grads)  # then every reduced flag is set
+        full_grads = {p: p.full_grad() for p, _ in trainable}
         if self.debug:
-            self.check_agreement(1, sum(1 << i for i, g in enumerate(full_grads) if g is not None) % (1 << 62))
-        shard = torch.empty(sum(numels) + len(numels), dtype=self.reduce_dtype,
-                            device=self.compute_device)  # [grad_shard_numel + n_flags]
-        runtime.active.allocated(shard)
+            self.check_agreement(1, sum(1 << i for i, g in enumerate(full_grads.values()) if g is not None) % (1 << 62))
         replicate = group.replicate_pg if self.all_reduce_grads and not self.owes_all_reduce else None
-        with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
-            pending = reduce_scatter_grads(full_grads, numels, groups=(group.shard_pg, replicate),
-                                           dp_size=group.dp_size, divide_by=self.divide_factor or group.dp_size,
-                                           force_sum=self.force_sum,
-                                           shard=shard, pool=self.pool,
-                                           caller=self.caller(1, "reduce-scatter"))
-            del full_grads  # full_grad() took them
-            self.count_full_grads()
-        self.pending_reduce = (grad_params, all_here, pending)
+        for dtype in dict.fromkeys(dtype for _, dtype in trainable):
+            grad_params = [p for p, d in trainable if d == dtype]
+            grads = [full_grads.pop(p) for p in grad_params]  # full_grad() took them
+            all_here = all(g is not None for g in grads)  # then every reduced flag is set
+            numels = [p.shard_numel for p in grad_params]
+            shard = torch.empty(sum(numels) + len(numels), dtype=dtype,
+                                device=self.compute_device)  # [grad_shard_numel + n_flags]
+            runtime.active.allocated(shard)
+            with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
+                pending = reduce_scatter_grads(grads, numels, groups=(group.shard_pg, replicate),
+                                               dp_size=group.dp_size, divide_by=self.divide_factor or group.dp_size,
+                                               force_sum=self.force_sum, shard=shard, pool=self.pool,
+                                               caller=self.caller(1, "reduce-scatter"))
+            del grads
+            self.pending_reduce.append((grad_params, all_here, pending))
+        self.count_full_grads()
 
     def finish_reduce(self) -> None:
         """Wait for the reduction in flight and land it on the shards' gradients, or queue it
@@ -423,10 +449,12 @@ class Unit:
 
         A parameter no rank computed a gradient for keeps the gradient it had.
         """
-        if self.pending_reduce is None:
-            return
-        grad_params, all_here, pending = self.pending_reduce
-        self.pending_reduce = None
+        taken, self.pending_reduce = self.pending_reduce, []
+        for grad_params, all_here, pending in taken:
+            self.land_reduced(grad_params, all_here, pending)
+
+    def land_reduced(self, grad_params: list[ShardedParam], all_here: bool, pending: PendingReduce) -> None:
+        """finish_reduce for one reduce-scatter's row."""
         start = time.perf_counter()
         with torch.profiler.record_function(f"fullshard::wait reduce {self.fqn}"):
             try:
@@ -449,7 +477,7 @@ class Unit:
             self.owes_all_reduce = True
         flags_at = shard.numel() - len(grad_params)
         if self.config.offload:
-            masters = set(self.master_dtypes)  # land on the host in the masters' dtype when they share one
+            masters = {p.sharded.dtype for p in grad_params}  # land on the host in the masters' dtype when they share one
             row = shard.to(*masters) if len(masters) == 1 and shard.dtype not in masters else shard
             host = rt.to_host(row, pin=self.config.pin_memory)  # [grad_shard_numel + n_flags]
             self.unlanded.append((grad_params, host[flags_at:], host))
@@ -472,7 +500,7 @@ class Unit:
             if flag:
                 p.accumulate_grad(row[offset : offset + p.local_shape.numel()].view(p.local_shape))
             offset += p.shard_numel
-        runtime.active.writes(*[p.sharded.grad.to_local() for p in grad_params if p.sharded.grad is not None])
+        runtime.active.writes(*[p.local_grad() for p in grad_params if p.sharded.grad is not None])
 
     def land_queued(self) -> None:
         """Land the rows queued in `unlanded`, once the host has waited for the GPU."""
@@ -495,7 +523,7 @@ class Unit:
         for p in grad_params:  # every replica sends the same layout; a missing gradient is zero
             if p.sharded.grad is None:
                 p.accumulate_grad(torch.zeros(p.local_shape, dtype=p.sharded.dtype, device=p.local_shard().device))
-        grads = [p.sharded.grad.to_local() for p in grad_params]
+        grads = [p.local_grad() for p in grad_params]
         moved = [runtime.active.to_device(g, self.compute_device) for g in grads]  # offload: NCCL reads device memory
         try:
             nbytes = sum(all_reduce_tensors([t for t in moved if t.dtype == dtype], group=self.group.replicate_pg,
