@@ -4,6 +4,7 @@ each at world 2 against the unsharded model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 
@@ -57,8 +58,9 @@ def test_module_to_and_to_empty_after_sharding_act_on_the_shards(world2):
 
 def assign_job() -> dict:
     """load_state_dict(assign=True) of DTensor shards into a model sharded on the meta device
-    (FSDP2's way to load without initializing), and of full tensors into a real one: forward
-    and the optimizer see the loaded values."""
+    (FSDP2's way to load without initializing), in two parts as from a checkpoint of two files,
+    and of full tensors into a real one: forward and the optimizer see the loaded values. A
+    forward before every parameter has values is refused, naming what is missing."""
     torch.manual_seed(0)
     source = tiny_gpt()
     want = {k: v.clone() for k, v in source.named_parameters()}
@@ -68,7 +70,10 @@ def assign_job() -> dict:
     for block in model.h:
         fullshard.fully_shard(block)
     fullshard.fully_shard(model)
-    model.load_state_dict(source.state_dict(), assign=True)  # DTensor shards
+    shards = source.state_dict()  # DTensor shards
+    names = list(shards)
+    for part in (names[::2], names[1::2]):
+        model.load_state_dict({k: shards[k] for k in part}, strict=False, assign=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # built after the load: holds the loaded params
     x, y = batch()
     loss = model(x, y)
@@ -80,7 +85,15 @@ def assign_job() -> dict:
     other.load_state_dict(want, strict=False, assign=True)  # full tensors
     at_once = all(isinstance(p, DTensor) for p in other.parameters())  # what an optimizer built now would hold
     other(x, y)
-    return {"loss": abs(loss.item() - source(x, y).item()), "moved": moved, "full": max_diff(full_state(other), want),
+    with torch.device("meta"):
+        small = nn.Linear(4, 2)
+    fullshard.fully_shard(small)
+    early = raises(lambda: small(torch.ones(1, 4)))
+    small.load_state_dict({"weight": torch.ones(2, 4)}, strict=False, assign=True)
+    half = raises(lambda: small(torch.ones(1, 4)))
+    small.load_state_dict({"bias": torch.ones(2)}, strict=False, assign=True)
+    return {"early": early, "half": half, "small": small(torch.ones(1, 4)).tolist(),
+            "loss": abs(loss.item() - source(x, y).item()), "moved": moved, "full": max_diff(full_state(other), want),
             "assigned are shards": all(isinstance(p, DTensor) for p in model.parameters()) and at_once}
 
 
@@ -88,6 +101,8 @@ def test_load_state_dict_with_assign_is_what_forward_computes_with(world2):
     for got in world2.run(assign_job):
         assert got["loss"] == 0.0 and got["assigned are shards"] and got["full"] == 0.0, got
         assert got["moved"] > 0, got  # the optimizer stepped the parameters forward used
+        assert "meta device" in got["early"] and "['bias']" in got["half"], got
+        assert got["small"] == [[5.0, 5.0]], got
 
 
 def accumulation_job() -> dict:
@@ -298,29 +313,42 @@ def test_fsdp2_methods_do_what_fsdp2_documents(world2):
 
 
 def replicate_job() -> dict:
-    """replicate() (DDP, composable) over a model whose blocks are fullshard units: it
-    all-reduces the rest, leaves the units' gradients to them, and trains like one process."""
+    """replicate() (DDP, composable) composed with fullshard both ways, each trained like one
+    process: over a model whose blocks are fullshard units (it all-reduces the rest and leaves
+    the units' gradients to them), and under a fullshard root (the root leaves the replicated
+    block's parameters plain, DDP's to average)."""
     from torch.distributed._composable.replicate import replicate
 
     from tests.reference import global_batches, train
 
-    torch.manual_seed(0)
-    model = tiny_gpt()
-    reference = copy.deepcopy(model)
-    for block in model.h:
-        fullshard.fully_shard(block)
-    replicate(model)
     batches = global_batches(lambda g, b: token_batch(g, b), 3, 4)
-    got = train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, lambda m, b: m(*b),
-                world=dist.get_world_size())
-    want = train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches, lambda m, b: m(*b))
-    return {"loss": max(abs(g - w) for g, w in zip(got, want)), "param": max_diff(full_state(model),
-                                                                                  full_state(reference))}
+    got = {}
+    for outer in ("replicate", "fully_shard"):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        reference = copy.deepcopy(model)
+        if outer == "replicate":
+            for block in model.h:
+                fullshard.fully_shard(block)
+            replicate(model)
+        else:
+            replicate(model.h[0])
+            fullshard.fully_shard(model.h[1])
+            fullshard.fully_shard(model)
+        losses = train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, lambda m, b: m(*b),
+                       world=dist.get_world_size())
+        want = train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches, lambda m, b: m(*b))
+        got[outer] = {"loss": max(abs(g - w) for g, w in zip(losses, want)),
+                      "param": max_diff(full_state(model), full_state(reference)),
+                      "plain": sorted({type(p).__name__ for p in model.h[0].parameters()})}
+    return got
 
 
-def test_replicate_over_fullshard_units_reduces_each_gradient_once(world2):
+def test_replicate_and_fullshard_compose_both_ways(world2):
     for got in world2.run(replicate_job):
-        assert got["loss"] <= 1e-6 and got["param"] <= 2.5e-7, got
+        for outer, case in got.items():
+            assert case["loss"] <= 1e-6 and case["param"] <= 2.5e-7, (outer, case)
+        assert got["fully_shard"]["plain"] == ["Parameter"], got  # not DTensor shards
 
 
 def group_job() -> dict:
@@ -533,3 +561,71 @@ def test_shard_placement_fn_splits_along_another_dim(world4, tmp_path):
             assert case["param"] <= ADAMW_TOL and case["norm"] <= LOSS_TOL, (name, case)
         assert got["reload"] == 0.0, got
         assert "Shard(d)" in got["refused"][0] and "Shard(d)" in got["refused"][1], got["refused"]
+
+
+class Lookup(nn.Module):
+    """A bf16-computed layer beside an integer parameter (a frozen index table), fed a batch
+    object rather than a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+        self.index = nn.Parameter(torch.tensor([1048577, 3, 70000, 2]), requires_grad=False)
+
+    def forward(self, batch) -> torch.Tensor:
+        x = batch["x"] if isinstance(batch, dict) else batch.x
+        return self.proj(x), self.index.clone()
+
+
+def details_job() -> dict:
+    """What FSDP2 code relies on beyond the methods: a dataclass or OrderedDict input cast to
+    param_dtype (the caller's object left as it was), an integer parameter kept as it is under a
+    param_dtype, and hooks registered with register_post_accumulate_grad_hook on the shards run
+    once per reduced gradient, so an optimizer stepped inside backward trains like one stepped after."""
+    import collections
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+
+    torch.manual_seed(0)
+    model = Lookup()
+    fullshard.fully_shard(model, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    inputs = {"dataclass": Batch(torch.ones(2, 4)), "OrderedDict": collections.OrderedDict(x=torch.ones(2, 4))}
+    got = {name: str(model(batch)[0].dtype) for name, batch in inputs.items()}
+    got["caller's"] = [str(inputs["dataclass"].x.dtype), str(inputs["OrderedDict"]["x"].dtype)]
+    got["index"] = model(inputs["dataclass"])[1].tolist()
+
+    torch.manual_seed(0)
+    stepped = tiny_gpt()
+    after = copy.deepcopy(stepped)
+    for model in (stepped, after):
+        fullshard.shard_model(model, wrap={Block})
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in stepped.parameters()}
+    calls = []
+
+    def step_in_backward(param: nn.Parameter) -> None:
+        calls.append(1)
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for p in stepped.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    optimizer = torch.optim.SGD(after.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step)
+        stepped(x, y).backward()
+        after(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    got["calls"] = len(calls) / 3 / len(list(stepped.parameters()))
+    got["in backward"] = max_diff(full_state(stepped), full_state(after))
+    return got
+
+
+def test_inputs_integer_parameters_and_post_accumulate_hooks_as_fsdp2(world2):
+    for got in world2.run(details_job):
+        assert got["dataclass"] == got["OrderedDict"] == "torch.bfloat16", got
+        assert got["caller's"] == ["torch.float32", "torch.float32"], got
+        assert got["index"] == [1048577, 3, 70000, 2], got  # bf16 would give 1048576 and 70144
+        assert got["calls"] == 1.0 and got["in backward"] == 0.0, got

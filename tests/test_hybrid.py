@@ -137,11 +137,13 @@ def accumulation_job(mode: str) -> dict:
     opt, ref_opt = make_optimizer("adamw", model), make_optimizer("adamw", reference)
     rank, world = dist.get_rank(), dist.get_world_size()
     counts = []
-    for big in global_batches(token_batch, 2, 32):
+    for step, big in enumerate(global_batches(token_batch, 2, 32)):
         with fullshard.stats(model) as stats:
             for k in range(4):
                 last = k == 3
-                if mode == "no_all_reduce":
+                if mode == "no_all_reduce" and last and step == 1:
+                    model.set_requires_gradient_sync(True)  # as FSDP2's, it turns the all-reduce back on too
+                elif mode == "no_all_reduce":
                     model.set_requires_all_reduce(last)
                 elif mode == "no_sync":
                     model.set_requires_gradient_sync(last)

@@ -98,11 +98,14 @@ class FSDPModule:
 
         Args:
             requires_gradient_sync: ``False`` skips the reduce-scatter after backward; the
-                full gradients accumulate until a backward with sync on reduces them.
+                full gradients accumulate until a backward with sync on reduces them. With
+                hybrid sharding it sets the all-reduce across replicas too (as FSDP2's does),
+                so ``True`` undoes an earlier ``set_requires_all_reduce(False)``.
             recurse: apply to every unit in this module's subtree.
         """
         for unit in self._units(recurse):
             unit.sync_grads = requires_gradient_sync
+            unit.all_reduce_grads = requires_gradient_sync
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -466,12 +469,17 @@ def owned_params(module: nn.Module, exclude: Iterable[nn.Parameter] = ()) -> lis
     """The parameters under `module` that no inner unit manages, each with every place it is registered.
 
     Places inside inner units count too: a tied weight an inner unit left to this one is
-    swapped there as well.
+    swapped there as well. Modules under PyTorch's replicate() are its, as in FSDP2: their
+    gradients are DDP's to average.
     """
     excluded = set(exclude)
     managed = {tensor for unit in units_under(module) for p in unit.params for tensor in (p.sharded, p.unsharded)}
+    replicated = {m for top in module.modules() if "replicate" in top.__dict__.get(REGISTRY_KEY, {})
+                  for m in top.modules()}
     owned: dict[nn.Parameter, OwnedParam] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
+        if sub in replicated:
+            continue
         for name, param in sub._parameters.items():
             if param is None or param in excluded or param in managed:
                 continue

@@ -48,6 +48,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -97,10 +98,11 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, *, output: bool = False) -> Any:
-    """Apply `fn` to the tensors in nested tuples, lists and plain dicts, rebuilding them.
+    """Apply `fn` to the tensors in nested tuples, lists, mappings and dataclasses, rebuilding them.
 
-    For a module's `output`, which fullshard may change, also dataclasses (rebuilt) and
-    other mutable mappings (e.g. Hugging Face model outputs, updated in place).
+    A mutable mapping that is a module's `output` (e.g. a Hugging Face model output) is
+    updated in place; one that is an input (e.g. an OrderedDict or a BatchEncoding batch)
+    is copied first, so the caller's object is left as it was. Dataclasses are rebuilt.
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -110,12 +112,13 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, *, output:
         return type(obj)(*(map_tensors(fn, item, output=output) for item in obj))
     if type(obj) is dict:
         return {key: map_tensors(fn, value, output=output) for key, value in obj.items()}
-    if output and isinstance(obj, MutableMapping):
+    if isinstance(obj, MutableMapping):
+        out = obj if output else copy.copy(obj)
         for key, value in list(obj.items()):
-            obj[key] = map_tensors(fn, value, output=True)
-        return obj
-    if output and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name), output=True)
+            out[key] = map_tensors(fn, value, output=output)
+        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name), output=output)
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
 

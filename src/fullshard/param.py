@@ -221,6 +221,13 @@ class ShardedParam:
         return (0 if grad is None else local_values(grad).nbytes) + \
             (0 if self.accumulated is None else self.accumulated.nbytes)
 
+    def run_post_accumulate_hooks(self) -> None:
+        """Run the hooks registered with register_post_accumulate_grad_hook on the shard (e.g. an
+        optimizer step inside backward) now that its gradient landed, as autograd runs them on a
+        plain parameter; they see the shard and its sharded gradient."""
+        for hook in list((self.sharded._post_accumulate_grad_hooks or {}).values()):
+            hook(self.sharded)
+
     def local_shard(self) -> torch.Tensor:
         """This rank's rows of the shard, rows first (a view of the unit's storage)."""
         return self.rows(self.sharded.to_local())

@@ -19,8 +19,9 @@ A training step moves every unit through the same cycle (hooks.py decides when):
 # float32 among bf16 weights, frozen int8 weights beside trainable adapters). Each keeps
 # its own as its shard. With a param_dtype they are all gathered and computed in it, the
 # gather's staging copy casting. Without one, each full parameter has its master's dtype,
-# so the one gather moves bytes: every shard is viewed as uint8, and the full storage is
-# bytes with each parameter's block aligned for its dtype. Gradients cannot be summed as
+# so the one gather moves bytes: every shard is viewed as uint8 (first cast to its full
+# dtype when a param_dtype applies to some: an integer parameter keeps its own), and the
+# full storage is bytes with each parameter's block aligned for its dtype. Gradients cannot be summed as
 # bytes: the unit reduce-scatters once per reduce dtype.
 
 Between steps every unit is SHARDED with no collective in flight: the modules hold
@@ -125,6 +126,7 @@ class Unit:
         self.small_group = smaller_group(group, config.post_forward_world) if self.full_flat is not None else None
         self.small: torch.Tensor | None = None  # Note [smaller world after forward]
         self.gathering_small = False
+        self.unset: set[str] = set()  # parameters of a meta-built unit that assign=True loads have not reached
         self.sync_grads = True
         self.all_reduce_grads = True  # across replicas; off: reduce within the group only, owe the rest
         self.owes_all_reduce = False
@@ -143,14 +145,18 @@ class Unit:
         parameter's dtype (param_dtype, else its master's), each gradient's reduce dtype, and the
         dtype a gather moves (Note [bytes on the wire])."""
         self.master_dtypes = dtypes
-        self.full_dtypes = [self.config.param_dtype or dtype for dtype in dtypes]
+        param_dtype = self.config.param_dtype  # for floating-point parameters: an integer one stays as it is
+        self.full_dtypes = [param_dtype if param_dtype and dtype.is_floating_point else dtype for dtype in dtypes]
         self.reduce_dtypes = [self.config.reduce_dtype or dtype for dtype in self.full_dtypes]
         one = set(self.full_dtypes)
         self.wire_dtype = one.pop() if len(one) == 1 else torch.uint8 if one else torch.float32
 
     def on_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors as a gather moves them: as they are, or as their bytes (Note [bytes on the wire])."""
-        return tensors if self.wire_dtype != torch.uint8 else [t.view(torch.uint8) for t in tensors]
+        """One tensor per parameter as a gather moves it: as it is (the gather's staging copy
+        casts), or as the bytes of its full dtype (cast here first: Note [bytes on the wire])."""
+        if self.wire_dtype != torch.uint8:
+            return tensors
+        return [t.to(dtype).view(torch.uint8) for t, dtype in zip(tensors, self.full_dtypes)]
 
     def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """New flat storage for the shards (the masters) and the full parameters; returns
@@ -190,6 +196,7 @@ class Unit:
         none for meta."""
         assert self.state is ShardState.SHARDED, f"materialize() in state {self.state.name}"
         self.compute_device = device
+        self.unset = set()
         if dtypes is not None:
             self.set_master_dtypes(dtypes)
         for p, segment in zip(self.params, self.allocate()):
@@ -203,6 +210,12 @@ class Unit:
         if self.state is ShardState.FULL or self.pending is not None:
             return
         self.adopt_replaced()  # before the gather reads the shards
+        if self.compute_device.type == "meta" or self.unset:
+            what = "its parameters are on the meta device" if self.compute_device.type == "meta" else \
+                f"parameters {sorted(self.unset)} were given no values by load_state_dict(assign=True)"
+            raise fail(f"unit {self.fqn or type(self.module).__name__!r} cannot run: {what}",
+                       "Give every parameter values first: model.to_empty(device=...) then initialize (e.g. "
+                       "reset_parameters()), or load_state_dict(..., assign=True) of every parameter.")
         if self.full_flat is None:
             return
         if self.debug:
@@ -252,17 +265,15 @@ class Unit:
     def adopt_replaced(self) -> None:
         """Take parameters assigned in the shards' place between steps (load_state_dict(assign=True))
         as the shards (ShardedParam.adopt); a unit still on the meta device gets storage first,
-        and a gather in flight (a prefetch of the old values) is dropped."""
+        its other parameters waiting for theirs (a checkpoint loaded file by file), and a gather
+        in flight (a prefetch of the old values) is dropped."""
         replaced = [(p, new) for p in self.params if (new := p.replacement(full=False)) is not None]
         if not replaced:
             return
         if self.compute_device.type == "meta" and not replaced[0][1].is_meta:
-            if len(replaced) < len(self.params):
-                missing = [p.fqn for p in self.params if p not in dict(replaced)]
-                raise fail(f"a unit still on the meta device was given values for some of its parameters only "
-                           f"(not {missing})", "Load every parameter of the unit (load_state_dict(..., "
-                           "assign=True) of a whole state dict), or make it real first: model.to_empty(device=...).")
             self.materialize(self.group.device if self.config.offload else replaced[0][1].device)
+            self.unset = {p.fqn for p in self.params}
+        self.unset -= {p.fqn for p, _ in replaced}
         if self.pending is not None:
             self.finish_gather()
             self.release_storage()
@@ -501,6 +512,9 @@ class Unit:
                 p.accumulate_grad(row[offset : offset + p.local_shape.numel()].view(p.local_shape))
             offset += p.shard_numel
         runtime.active.writes(*[p.local_grad() for p in grad_params if p.sharded.grad is not None])
+        for p, flag in zip(grad_params, flags):
+            if flag:
+                p.run_post_accumulate_hooks()
 
     def land_queued(self) -> None:
         """Land the rows queued in `unlanded`, once the host has waited for the GPU."""
