@@ -629,3 +629,46 @@ def test_inputs_integer_parameters_and_post_accumulate_hooks_as_fsdp2(world2):
         assert got["caller's"] == ["torch.float32", "torch.float32"], got
         assert got["index"] == [1048577, 3, 70000, 2], got  # bf16 would give 1048576 and 70144
         assert got["calls"] == 1.0 and got["in backward"] == 0.0, got
+
+
+def stages_job() -> dict:
+    """Two groups of ranks, each sharding its own model over a mesh of its own ranks
+    (DeviceMesh.from_group, as pipeline stages do): 3 AdamW steps with clip_grad_norm_ train
+    each like one process on its group's whole batch, and the norm clipped to is over both
+    models' gradients (every stage's, as a pipeline clips), on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = dist.get_rank()
+    stage = rank // 2
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mesh = DeviceMesh.from_group(groups[stage], "cpu")
+    models = []
+    for seed in (0, 1):  # both stages' models on every rank, for the references
+        torch.manual_seed(seed)
+        models.append(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))
+    model = copy.deepcopy(models[stage])
+    for layer in (model[0], model[2]):
+        fullshard.fully_shard(layer, mesh=mesh)
+    fullshard.fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
+    norms = []
+    for step in range(3):
+        xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + s)) for s in (0, 1)]
+        model(xs[stage].chunk(2)[rank % 2]).square().mean().backward()
+        for m, x in zip(models, xs):
+            m(x).square().mean().backward()
+        squares = [torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]) ** 2 for m in models]
+        total = (squares[0] + squares[1]).sqrt()
+        for m in models:
+            torch.nn.utils.clip_grads_with_norm_(m.parameters(), 0.05, total)
+        norms.append(abs(fullshard.clip_grad_norm_(model, 0.05).item() - total.item()))
+        for opt in (optimizer, *ref_optimizers):
+            opt.step()
+            opt.zero_grad()
+    return {"param": max_diff(full_state(model), full_state(models[stage])), "norm": max(norms)}
+
+
+def test_groups_of_ranks_each_shard_their_own_model(world4):
+    for got in world4.run(stages_job):
+        assert got["param"] <= ADAMW_TOL and got["norm"] <= LOSS_TOL, got

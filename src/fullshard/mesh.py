@@ -74,7 +74,7 @@ def _release_groups() -> None:
     _subgroups.clear()
     _timed_groups.clear()
     _spmd_meshes.clear()
-    _first_rank_copies.clear()
+    _tp_dims.clear()
     gc.collect()
 
 
@@ -175,18 +175,20 @@ def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 _spmd_meshes: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
-_first_rank_copies: dict[int, tuple[DeviceMesh, bool]] = {}  # id(mesh) -> (mesh, holds_first_rank)
+_tp_dims: dict[DeviceMesh, set[str]] = {}  # root mesh -> names of its dims that tensor parallelism splits over
 
 
-def holds_first_rank(mesh: DeviceMesh) -> bool:
-    """Whether `mesh`, a sub-mesh of one over every rank, is the copy (of one per coordinate of
-    the other dims) that holds the whole mesh's first rank: the copy whose pieces a global sum
-    counts, once. By ranks, not dim names, so flattened dims count too. Worked out when the
-    unit is made (a mesh tensor read in a training step would look like a host sync) and kept."""
-    if id(mesh) not in _first_rank_copies:
-        first = mesh._get_root_mesh().mesh.flatten()[0].item()
-        _first_rank_copies[id(mesh)] = (mesh, first in mesh.mesh.flatten().tolist())
-    return _first_rank_copies[id(mesh)][1]
+def counted_copy(mesh: DeviceMesh) -> bool:
+    """Whether this rank's copy of `mesh` (a sub-mesh: one copy per coordinate of the root
+    mesh's other dims) is one whose pieces a global sum counts. Copies that differ only in a
+    tensor-parallel dim hold equal pieces (TP keeps what it does not split equal on its
+    ranks): only the one at TP coordinate 0 counts. Copies along any other dim (pipeline
+    stages, a group of other ranks) hold other parameters: all count. Reads no tensor: a
+    read in a training step would look like a host sync."""
+    root = mesh._get_root_mesh()
+    names, mine = root.mesh_dim_names or (), mesh.mesh_dim_names or ()
+    coordinate = root.get_coordinate()
+    return all(coordinate[names.index(name)] == 0 for name in _tp_dims.get(root, ()) if name not in mine)
 
 
 def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool,
@@ -213,7 +215,6 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     key = (dp_mesh, tp_mesh)
     if key not in _spmd_meshes:
         _spmd_meshes[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
-        holds_first_rank(_spmd_meshes[key])
     return _spmd_meshes[key]
 
 
@@ -236,10 +237,7 @@ def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, f
                    f"{dp_mesh.mesh_dim_names} are not distinct dims of one mesh ({e})",
                    'Slice both from one mesh: mesh_2d["dp"] for fully_shard, mesh_2d["tp"] for tensor '
                    "parallelism.") from None
-    if dp_mesh.size() * tp_mesh.size() != dist.get_world_size():
-        raise fail(f"parameter {fqn!r}: the data-parallel mesh ({dp_mesh.size()} ranks) and its TP mesh "
-                   f"({tp_mesh.size()}) do not cover the {dist.get_world_size()} ranks",
-                   "Pass the data-parallel dims of the mesh whose other dim is the TP mesh.")
+    _tp_dims.setdefault(tp_mesh._get_root_mesh(), set()).update(tp_mesh.mesh_dim_names)
 
 
 def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
@@ -250,14 +248,13 @@ def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
     if not isinstance(mesh, DeviceMesh):
         raise fail(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}",
                    "Build one with torch.distributed.device_mesh.init_device_mesh.")
-    if mesh.size() != dist.get_world_size() and mesh._get_root_mesh().size() != dist.get_world_size():
+    if mesh.get_coordinate() is None:
         raise fail(
-            f"the mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}",
-            "Build the data-parallel mesh over every rank, e.g. init_device_mesh(device, (world_size,)), or "
-            'pass the data-parallel dims of a mesh over every rank, e.g. mesh_2d["dp"].',
+            f"rank {dist.get_rank()} is not in the mesh {mesh}",
+            "Pass each rank a mesh it is in: the data-parallel dims of a mesh over every rank (e.g. "
+            'mesh_3d["dp"] of a (pp, dp, tp) mesh), or a mesh of the group of ranks it trains with.',
         )
     roles = mesh_roles(mesh)
-    holds_first_rank(mesh)  # for clip_grad_norm_, now rather than in a training step
     groups = {role: mesh.get_group(dim) for dim, role in enumerate(roles)}
     sizes = {role: mesh.size(dim) for dim, role in enumerate(roles)}
     world = sizes.get("shard", 1)

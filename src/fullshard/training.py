@@ -17,7 +17,7 @@ from fullshard import runtime
 from fullshard.collectives import all_reduce_
 from fullshard.errors import fail, require
 from fullshard.hooks import Phase, unit_hooks, units_under
-from fullshard.mesh import holds_first_rank
+from fullshard.mesh import counted_copy
 from fullshard.stats import Stats
 from fullshard.runtime import CollectiveError
 from fullshard.unit import ShardState, Unit, unit_of
@@ -55,15 +55,14 @@ def stats(model: nn.Module) -> Stats:
 
 def counts_once(grad: torch.Tensor) -> bool:
     """Whether this rank's piece of `grad` is the copy counted in a global norm: of the
-    ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim, on the
-    copy of a sub-mesh that holds the whole mesh's first rank (a data-parallel sub-mesh:
-    tensor parallelism keeps the parameters it does not split equal on its ranks)."""
+    ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim, on a
+    counted copy of a sub-mesh (mesh.counted_copy)."""
     if not isinstance(grad, DTensor):
         return dist.get_rank() == 0
     mesh = grad.device_mesh
     if any(c != 0 for c, placement in zip(mesh.get_coordinate(), grad.placements) if isinstance(placement, Replicate)):
         return False
-    return holds_first_rank(mesh)
+    return counted_copy(mesh)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -71,6 +70,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
     The norm is over the whole model, every rank's shards together, so it equals the
     norm single-process training would compute, and every rank returns the same value.
+    Where groups of ranks shard different models (pipeline stages, each on a mesh of its
+    own ranks), it is over all of them: every rank calls it.
 
     Args:
         model: a sharded model (every rank must call this).
