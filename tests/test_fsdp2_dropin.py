@@ -294,6 +294,9 @@ def methods_job() -> dict:
     model(x, y).backward()  # the ignored weight's gradient is the user's; the optimizer check leaves it
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     out["not offered"] = raises(lambda: kept.set_custom_all_gather(None))
+    fullshard.share_comm_ctx([kept, model])  # fullshard's streams are the process's already
+    out["share not a unit"] = raises(lambda: fullshard.share_comm_ctx([nn.Linear(2, 2)]))
+    out["dp_mesh_dims"] = raises(lambda: fullshard.fully_shard(nn.Linear(2, 2), dp_mesh_dims=object()))
     return out
 
 
@@ -310,6 +313,7 @@ def test_fsdp2_methods_do_what_fsdp2_documents(world2):
         # the root kept until its backward (1 gather), the embedding gathered for forward only (1)
         assert got["unshard in backward"][0] == 2 and got["unshard in backward"][1] <= 1e-5, got
         assert "does not offer" in got["not offered"], got
+        assert "not units" in got["share not a unit"] and "not offered" in got["dp_mesh_dims"], got
 
 
 def replicate_job() -> dict:

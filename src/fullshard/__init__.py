@@ -1,6 +1,6 @@
 """fullshard: Fully Sharded Data Parallel training for PyTorch (Zhao et al., 2023)."""
 
-from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fullshard.errors import FullShardError
 from fullshard.planner import Hardware, Plan, apply_plan, plan
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -36,5 +36,6 @@ __all__ = [
     "save",
     "set_state_dict",
     "shard_model",
+    "share_comm_ctx",
     "stats",
 ]

@@ -435,6 +435,20 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, wrapped)
 
 
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's call to make several roots (pipeline stages' model chunks) share their
+    communication streams. fullshard's streams are one set per device for the whole process
+    (runtime.side_stream), shared by every root already, so this checks its argument only.
+
+    Args:
+        modules: units (``FSDPModule``), as FSDP2 takes them.
+    """
+    others = [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]
+    if others:
+        raise fail(f"share_comm_ctx was given modules that are not units: {others}",
+                   "Pass the model chunks after fully_shard (or shard_model).")
+
+
 def prefetch_targets(modules: list[nn.Module], what: str) -> list[UnitHooks]:
     others = [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]
     if others:
@@ -608,6 +622,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims=None,
     _exclude: Iterable[nn.Parameter] = (),
     _schedule: Schedule = Schedule(),
 ) -> nn.Module:
@@ -644,6 +659,10 @@ def fully_shard(
         offload_policy: a :class:`CPUOffloadPolicy`.
         ignored_params: parameters under `module` that stay as they are: not sharded, not
             moved, their gradients not reduced.
+        dp_mesh_dims: FSDP2's (torch 2.13) naming of the data-parallel dims of a full SPMD
+            mesh whose DTensor parameters replicate over them; not offered: pass the
+            data-parallel dims as the mesh (``mesh_2d["dp"]``) and tensor-parallel DTensors
+            on the other dim, which shard the same way.
 
     Raises:
         FullShardError: before anything changes, when the module is already sharded, a
@@ -659,6 +678,10 @@ def fully_shard(
     if any(isinstance(m, FSDPModule) for m in modules):
         raise fail(f"this {what} is already sharded",
                    "Call fully_shard once per module, inner modules first and the root last.")
+    if dp_mesh_dims is not None:
+        raise fail("fully_shard(dp_mesh_dims=...) (parameters as DTensors on a full SPMD mesh) is not offered by "
+                   "fullshard", 'Pass the data-parallel dims as the mesh, e.g. fully_shard(block, mesh=mesh_2d["dp"]), '
+                   'with tensor parallelism applied on mesh_2d["tp"] (docs/composition.md); the shards are the same.')
     if reshard_after_forward is None:  # FSDP2's default: free, except the root's (which fullshard always keeps)
         reshard_after_forward = True
     if type(reshard_after_forward) not in (bool, int):
