@@ -1,5 +1,5 @@
 """FSDP2 code run on fullshard: what PyTorch's fully_shard documents, done the same way,
-each at world 2 against the unsharded model."""
+each at world 2 (some at 4) against the unsharded model."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 import shutil
+from collections.abc import Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -577,28 +578,56 @@ class Lookup(nn.Module):
         self.index = nn.Parameter(torch.tensor([1048577, 3, 70000, 2]), requires_grad=False)
 
     def forward(self, batch) -> torch.Tensor:
-        x = batch["x"] if isinstance(batch, dict) else batch.x
+        x = batch["x"] if isinstance(batch, Mapping) else batch.x
         return self.proj(x), self.index.clone()
 
 
 def details_job() -> dict:
-    """What FSDP2 code relies on beyond the methods: a dataclass or OrderedDict input cast to
-    param_dtype (the caller's object left as it was), an integer parameter kept as it is under a
+    """What FSDP2 code relies on beyond the methods: torch's MixedPrecisionPolicy object taken, a
+    dataclass or OrderedDict input cast to param_dtype (the caller's object left as it was), an integer parameter kept as it is under a
     param_dtype, and hooks registered with register_post_accumulate_grad_hook on the shards run
     once per reduced gradient, so an optimizer stepped inside backward trains like one stepped after."""
     import collections
 
     @dataclasses.dataclass
-    class Batch:
+    class Batch:  # built only by the caller: its __post_init__ reads the tensor, and it has an InitVar
         x: torch.Tensor
+        scale: dataclasses.InitVar[float] = 1.0
+
+        def __post_init__(self, scale: float) -> None:
+            self.rows = self.x.shape[0]
+
+    class Box(MutableMapping):  # a mapping type fullshard cannot copy safely: passed on as it is
+        def __init__(self, **items) -> None:
+            self.items_ = items
+
+        def __getitem__(self, key):
+            return self.items_[key]
+
+        def __setitem__(self, key, value) -> None:
+            self.items_[key] = value
+
+        def __delitem__(self, key) -> None:
+            del self.items_[key]
+
+        def __iter__(self):
+            return iter(self.items_)
+
+        def __len__(self) -> int:
+            return len(self.items_)
 
     torch.manual_seed(0)
-    model = Lookup()
-    fullshard.fully_shard(model, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model = Lookup()  # torch's own policy object, as a script importing it from torch passes it
+    fullshard.fully_shard(model, mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     inputs = {"dataclass": Batch(torch.ones(2, 4)), "OrderedDict": collections.OrderedDict(x=torch.ones(2, 4))}
     got = {name: str(model(batch)[0].dtype) for name, batch in inputs.items()}
     got["caller's"] = [str(inputs["dataclass"].x.dtype), str(inputs["OrderedDict"]["x"].dtype)]
     got["index"] = model(inputs["dataclass"])[1].tolist()
+    inner = Lookup()  # an inner unit, as its inputs are activations that require gradients
+    fullshard.fully_shard(inner)
+    box = Box(x=torch.ones(2, 4, requires_grad=True))
+    inner(box)[0].sum().backward()
+    got["box"] = box["x"] is not None and box["x"].grad is not None
 
     torch.manual_seed(0)
     stepped = tiny_gpt()
@@ -631,16 +660,17 @@ def details_job() -> dict:
 def test_inputs_integer_parameters_and_post_accumulate_hooks_as_fsdp2(world2):
     for got in world2.run(details_job):
         assert got["dataclass"] == got["OrderedDict"] == "torch.bfloat16", got
-        assert got["caller's"] == ["torch.float32", "torch.float32"], got
+        assert got["caller's"] == ["torch.float32", "torch.float32"] and got["box"], got
         assert got["index"] == [1048577, 3, 70000, 2], got  # bf16 would give 1048576 and 70144
         assert got["calls"] == 1.0 and got["in backward"] == 0.0, got
 
 
 def stages_job() -> dict:
     """Two groups of ranks, each sharding its own model over a mesh of its own ranks
-    (DeviceMesh.from_group, as pipeline stages do): 3 AdamW steps with clip_grad_norm_ train
-    each like one process on its group's whole batch, and the norm clipped to is over both
-    models' gradients (every stage's, as a pipeline clips), on every rank."""
+    (DeviceMesh.from_group, as pipeline stages do; stage 1 in one unit, stage 0 in three):
+    3 AdamW steps with clip_grad_norm_ and debug checks on train each like one process on its
+    group's whole batch, the norm clipped to is over both models' gradients (every stage's, as a
+    pipeline clips) on every rank, and a non-finite gradient in one stage skips the step on all."""
     from torch.distributed.device_mesh import DeviceMesh
 
     rank = dist.get_rank()
@@ -652,9 +682,12 @@ def stages_job() -> dict:
         torch.manual_seed(seed)
         models.append(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))
     model = copy.deepcopy(models[stage])
-    for layer in (model[0], model[2]):
-        fullshard.fully_shard(layer, mesh=mesh)
+    if stage == 0:
+        for layer in (model[0], model[2]):
+            fullshard.fully_shard(layer, mesh=mesh)
     fullshard.fully_shard(model, mesh=mesh)
+    model.set_debug_checks(True)
+    model.set_nonfinite_grads("skip")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     ref_optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
     norms = []
@@ -671,9 +704,48 @@ def stages_job() -> dict:
         for opt in (optimizer, *ref_optimizers):
             opt.step()
             opt.zero_grad()
-    return {"param": max_diff(full_state(model), full_state(models[stage])), "norm": max(norms)}
+    bad = torch.full((2, 6), float("nan") if rank == 3 else 1.0)  # one rank of stage 1
+    model(bad).sum().backward()
+    return {"param": max_diff(full_state(model), full_state(models[stage])), "norm": max(norms),
+            "skipped": all(p.grad is None for p in model.parameters())}
 
 
 def test_groups_of_ranks_each_shard_their_own_model(world4):
     for got in world4.run(stages_job):
-        assert got["param"] <= ADAMW_TOL and got["norm"] <= LOSS_TOL, got
+        assert got["param"] <= ADAMW_TOL and got["norm"] <= LOSS_TOL and got["skipped"], got
+
+
+def pipeline_mesh_job() -> dict:
+    """A (pp, dp, tp) mesh of 2 x 2 x 1: each pp coordinate's model is sharded over mesh["dp"],
+    with a plain parameter and a DTensor on mesh["tp"] left out of sharding (ignored_params). The
+    norm clip_grad_norm_ returns counts each stage's pieces once: the plain and TP ones once per
+    stage (not per dp rank), and both stages'."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    stage = mesh.get_local_rank("pp")
+    totals = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        layer = nn.Linear(3, 4)
+        layer.plain = nn.Parameter(torch.full((2,), 1.0 + seed))
+        layer.tp = nn.Parameter(distribute_tensor(torch.full((3,), 2.0 + seed), mesh["tp"], [Replicate()]))
+        if seed == stage:
+            model = layer
+        x = torch.ones(1, 3)  # the average over dp ranks of the same row
+        (layer(x).sum() + layer.plain.sum() * 3 + layer.tp.to_local().sum() * 5).backward()
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in layer.parameters()]
+        totals.append(torch.nn.utils.get_total_norm(grads) ** 2)
+    for p in model.parameters():
+        p.grad = None
+    fullshard.fully_shard(model, mesh=mesh["dp"], ignored_params={model.plain, model.tp})
+    model(torch.ones(1, 3)).sum().backward()  # half the batch on each dp rank
+    model.plain.grad = torch.full((2,), 3.0)  # the ignored ones' gradients, as DDP would leave them
+    model.tp.grad = distribute_tensor(torch.full((3,), 5.0), mesh["tp"], [Replicate()])
+    return {"norm": abs(fullshard.clip_grad_norm_(model, 1e9).item() - (totals[0] + totals[1]).sqrt().item())}
+
+
+def test_a_pipeline_mesh_counts_each_stage_once(world4):
+    for got in world4.run(pipeline_mesh_job):
+        assert got["norm"] <= LOSS_TOL, got

@@ -370,7 +370,22 @@ def ddp_averaged() -> WeakIdKeyDictionary:
     return _DDP_AVERAGED
 
 
-def place(owned: list[OwnedParam], shard_placement_fn) -> None:
+def from_torch_policy(policy):
+    """FSDP2's own MixedPrecisionPolicy or offload policy (a script importing them from torch)
+    as fullshard's, field for field; anything else as it is."""
+    from torch.distributed import fsdp  # noqa: PLC0415
+
+    if isinstance(policy, fsdp.MixedPrecisionPolicy):
+        return MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                    output_dtype=policy.output_dtype, cast_forward_inputs=policy.cast_forward_inputs)
+    if isinstance(policy, fsdp.CPUOffloadPolicy):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if type(policy) is fsdp.OffloadPolicy:
+        return OffloadPolicy()
+    return policy
+
+
+def set_split_dims(owned: list[OwnedParam], shard_placement_fn) -> None:
     """Set the dim each parameter is split along from FSDP2's shard_placement_fn (Note [another
     dim]): None is Shard(0); a negative dim counts from the last."""
     from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
@@ -576,7 +591,7 @@ def dp_groups(group: ShardGroup) -> list[torch.distributed.ProcessGroup | None]:
 def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device: torch.device,
                       groups: list[torch.distributed.ProcessGroup | None] = (None,)) -> None:
     """Refuse, on every rank, ranks that would shard different parameters: `described` holds
-    each parameter's (name, shape, dtype, requires_grad), `sums` its bit_sums. Ranks that
+    each parameter's (name, shape, dtype, requires_grad[, split dim]), `sums` its bit_sums. Ranks that
     differ would silently mix rows of different models. One small all-gather per group
     (None: every rank) when they agree."""
     try:
@@ -599,9 +614,10 @@ def compare_ranks(what: str, described: list[tuple], sums: list[int], device: to
                     for theirs in all_gather_json(described, device=device, timeout=timeout, group=group)]
         differ = [f"rank {r}: {sorted(set(theirs) ^ set(described))}" for r, theirs in enumerate(everyone)
                   if theirs != described]
-        raise fail(f"ranks would shard different parameters in {what} ((name, shape, dtype, requires_grad) "
+        raise fail(f"ranks would shard different parameters in {what} ((name, shape, dtype, requires_grad, ...) "
                    f"differing from this rank's: {'; '.join(differ)})",
-                   "Build the same model on every rank, with the same parameters frozen, before sharding.")
+                   "Build the same model on every rank, with the same parameters frozen (and the same "
+                   "shard_placement_fn), before sharding.")
     if len({values for _, values in digests}) == 1 or not sums:
         return
     everyone = all_gather_ints(sums, device=device, timeout=timeout, group=group)  # same length: same parameters
@@ -630,8 +646,8 @@ def fully_shard(
 
     Apply bottom-up: inner modules first, the root last. Afterwards every managed
     parameter is an ``nn.Parameter`` wrapping a ``DTensor`` sharded ``Shard(0)`` (or the
-    dim ``shard_placement_fn`` gives) over the mesh's shard dimension (``Replicate()`` over a replicate dimension), so an optimizer
-    built from ``model.parameters()`` steps on shards. Before the unit's forward and
+    dim ``shard_placement_fn`` gives) over the mesh's shard dimension (``Replicate()`` over
+    a replicate dimension), so an optimizer built from ``model.parameters()`` steps on shards. Before the unit's forward and
     backward one all-gather rebuilds the full parameters; after its backward one
     reduce-scatter leaves each rank the average gradient of its shard. The module's
     buffers move to the compute device (in place: the buffer objects stay the same, so
@@ -688,6 +704,7 @@ def fully_shard(
         raise fail(f"reshard_after_forward={reshard_after_forward!r} is not a bool or an int",
                    "Pass True (free after forward), False (keep until after backward) or an int k (keep "
                    "1/k after forward, gathered in backward inside groups of k ranks).")
+    mp_policy, offload_policy = from_torch_policy(mp_policy), from_torch_policy(offload_policy)
     for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
                                ("offload_policy", offload_policy, OffloadPolicy)):
         if policy is not None and not isinstance(policy, kind):
@@ -699,11 +716,11 @@ def fully_shard(
     owned = owned_by(modules, [*_exclude, *(ignored_params or ())])
     _IGNORED.update((p, True) for p in ignored_params or ())
     if shard_placement_fn is not None:
-        place(owned, shard_placement_fn)
+        set_split_dims(owned, shard_placement_fn)
     group = shard_group(mesh)
     check_owned(what, owned, group)
     check_ranks_agree(f"this {what}",
-                      [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad) for o in owned],
+                      [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad, o.dim) for o in owned],
                       bit_sums([local_values(o.param) for o in owned]), group.device, dp_groups(group))
     post_forward_world = 1
     if type(reshard_after_forward) is int:

@@ -208,28 +208,40 @@ class PendingGather:
 
 def gather_full(
     shards: list[torch.Tensor], *, group: dist.ProcessGroup | None, dtype: torch.dtype, device: torch.device,
-    pool: BufferPool, caller: Caller,
+    pool: BufferPool, caller: Caller, bytes_of: list[torch.dtype] | None = None,
 ) -> PendingGather:
     """Start gathering every rank's flat shard (`shards`, back to back) over `group` in
     `dtype` on `device`.
 
     The shards are first copied into one send buffer on the compute device, the copy
     doing the move of CPU offload and the cast of mixed precision, so the gather moves
-    `dtype`'s bytes. With no group (one rank holds every row) nothing is sent: the send
-    buffer is the result.
+    `dtype`'s bytes; with `bytes_of` (dtype uint8), each shard goes as the bytes of its
+    dtype there (Note [bytes on the wire]). With no group (one rank holds every row)
+    nothing is sent: the send buffer is the result.
     """
     rt = runtime.active
     world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     stream = rt.side_stream(device, "gather")
     rt.wait_stream(stream, rt.current_stream(device))  # the optimizer may have just written the shard
     with rt.use(stream):
-        staged = len(shards) != 1 or shards[0].dtype != dtype or rt.elsewhere(shards[0], device)
+        casts = bytes_of or [None] * len(shards)
+        staged = len(shards) != 1 or shards[0].dtype != dtype or rt.elsewhere(shards[0], device) or \
+            bytes_of is not None
         if staged:
-            local_flat = pool.take((sum(s.numel() for s in shards),), dtype, device)  # [unit_shard_numel]
+            sizes = [s.numel() * (cast.itemsize if cast else 1) for s, cast in zip(shards, casts)]
+            local_flat = pool.take((sum(sizes),), dtype, device)  # [unit_shard_numel], of dtype
             offset = 0
-            for shard in shards:  # from pinned host memory: overlaps compute on GPUs
-                rt.copy_(local_flat[offset : offset + shard.numel()], shard)
-                offset += shard.numel()
+            for shard, cast, size in zip(shards, casts, sizes):  # from pinned host memory: overlaps compute on GPUs
+                if cast is None:
+                    rt.copy_(local_flat[offset : offset + size], shard)
+                elif shard.dtype == cast:
+                    rt.copy_(local_flat[offset : offset + size], shard.view(torch.uint8))
+                else:  # moved and cast on this stream, then its bytes
+                    converted = pool.take((shard.numel(),), cast, device)
+                    rt.copy_(converted, shard)
+                    rt.copy_(local_flat[offset : offset + size], converted.view(torch.uint8))
+                    pool.give(converted)
+                offset += size
         else:
             local_flat = shards[0]
         sent = (world - 1) * local_flat.numel() * local_flat.element_size()

@@ -50,12 +50,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import UserDict
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
@@ -98,28 +100,44 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, *, output: bool = False) -> Any:
-    """Apply `fn` to the tensors in nested tuples, lists, mappings and dataclasses, rebuilding them.
+    """Apply `fn` to the tensors in nested tuples, lists, mappings and dataclasses, rebuilding
+    only what changes (the caller's objects are left as they were).
 
-    A mutable mapping that is a module's `output` (e.g. a Hugging Face model output) is
-    updated in place; one that is an input (e.g. an OrderedDict or a BatchEncoding batch)
-    is copied first, so the caller's object is left as it was. Dataclasses are rebuilt.
+    A dataclass is copied and its changed fields set (no __init__ or __post_init__ runs); a
+    dict or UserDict (e.g. a Hugging Face BatchEncoding) is copied; a module's `output` that
+    is another mutable mapping (e.g. a Hugging Face model output) is updated in place.
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if type(obj) in (tuple, list):
-        return type(obj)(map_tensors(fn, item, output=output) for item in obj)
+        items = [map_tensors(fn, item, output=output) for item in obj]
+        return obj if all(new is old for new, old in zip(items, obj)) else type(obj)(items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(fn, item, output=output) for item in obj))
-    if type(obj) is dict:
-        return {key: map_tensors(fn, value, output=output) for key, value in obj.items()}
-    if isinstance(obj, MutableMapping):
-        out = obj if output else copy.copy(obj)
-        for key, value in list(obj.items()):
-            out[key] = map_tensors(fn, value, output=output)
+        items = [map_tensors(fn, item, output=output) for item in obj]
+        return obj if all(new is old for new, old in zip(items, obj)) else type(obj)(*items)
+    if isinstance(obj, Mapping):
+        changed = {key: new for key, value in obj.items()
+                   if (new := map_tensors(fn, value, output=output)) is not value}
+        if not changed:
+            return obj
+        if output and isinstance(obj, MutableMapping):
+            out = obj
+        elif isinstance(obj, (dict, UserDict)):
+            out = copy.copy(obj)
+        else:  # a mapping type whose copy might share its contents: left as it is
+            return obj
+        for key, value in changed.items():  # not update(): Hugging Face's ModelOutput refuses it
+            out[key] = value
         return out
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name), output=output)
-                                           for f in dataclasses.fields(obj) if f.init})
+        changed = {f.name: new for f in dataclasses.fields(obj)
+                   if (new := map_tensors(fn, value := getattr(obj, f.name), output=output)) is not value}
+        if not changed:
+            return obj
+        out = copy.copy(obj)
+        for name, value in changed.items():
+            object.__setattr__(out, name, value)  # frozen dataclasses too
+        return out
     return obj
 
 
@@ -288,9 +306,10 @@ class RootContext:
 
     def settle_nonfinite(self) -> None:
         """With a non-finite policy on some unit, every rank learns whether any rank's reduced
-        gradient had an inf or NaN, and all raise (naming the first such unit) or, if that
-        unit's policy is "skip", all skip the step (no gradients). One read of the device
-        flags per backward that reduced (Note [host syncs])."""
+        gradient had an inf or NaN, and all raise (if that unit's policy on any rank is "raise")
+        or all skip the step (no gradients). Ranks may run other units (pipeline stages), so
+        each reports a code, 2 x its first such unit's index + 1 if its policy raises. One read
+        of the device flags per backward that reduced (Note [host syncs])."""
         checked = [hooks.unit for hooks in self.units if hooks.unit.nonfinite is not None]
         if not checked:
             return
@@ -298,24 +317,26 @@ class RootContext:
         bad = torch.full((1,), -1, dtype=torch.int64, device=unit.compute_device)  # first unit not finite, or -1
         for other in reversed(checked):
             if other.finite is not None:
-                bad = torch.where(other.finite, bad, other.index)
+                bad = torch.where(other.finite, bad, 2 * other.index + (other.nonfinite == "raise"))
             other.finite = None
         try:
-            everyone = [b for (b,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout) if b >= 0]
+            codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout)]
         except CollectiveError as e:
             raise unit.failed("non-finite check", e) from None
-        if not everyone:
+        if all(code < 0 for code in codes):
             return
         for hooks in self.units:  # skipped, or cleared before raising: a caller that catches the error and
             for p in hooks.unit.params:  # steps anyway must not write inf/NaN into the parameters
                 p.sharded.grad = None
-        if self.units[min(everyone)].unit.nonfinite == "skip":
+        if not any(code >= 0 and code % 2 for code in codes):
             self.stats.skipped_steps += 1
             return
-        raise fail(f"the gradient of unit {unit.names[min(everyone)]!r} at step {self.step} is not finite (inf or "
-                   f"NaN) after reduction", "Lower the learning rate, train in bf16/fp32 or with loss scaling "
-                   "(fullshard.GradScaler for fp16), or call model.set_nonfinite_grads('skip') to skip such steps "
-                   "on every rank.")
+        mine = codes[dist.get_rank()]
+        where = f"unit {unit.names[mine // 2]!r}" if mine >= 0 else \
+            f"a unit of rank {next(r for r, code in enumerate(codes) if code >= 0)}"
+        raise fail(f"the gradient of {where} at step {self.step} is not finite (inf or NaN) after reduction",
+                   "Lower the learning rate, train in bf16/fp32 or with loss scaling (fullshard.GradScaler for "
+                   "fp16), or call model.set_nonfinite_grads('skip') to skip such steps on every rank.")
 
     def recover(self) -> None:
         """A backward that raised never ran the final callback: start the next step clean."""
@@ -410,8 +431,14 @@ class UnitHooks:
         return self.attach_post_backward(args, kwargs)
 
     def attach_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        inputs: list[torch.Tensor] = []
-        map_tensors(lambda t: inputs.append(t) if t.requires_grad else None, (args, kwargs))
+        inputs: list[torch.Tensor] = []  # in the order map_tensors meets them below
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                inputs.append(t)
+            return t  # unchanged: nothing is rebuilt
+
+        map_tensors(collect, (args, kwargs))
         if not inputs:
             return args, kwargs
         outputs = iter(PostBackward.apply(self, *inputs))

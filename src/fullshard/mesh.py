@@ -74,7 +74,8 @@ def _release_groups() -> None:
     _subgroups.clear()
     _timed_groups.clear()
     _spmd_meshes.clear()
-    _tp_dims.clear()
+    _spans.clear()
+    _replica_dims.clear()
     gc.collect()
 
 
@@ -175,20 +176,39 @@ def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 _spmd_meshes: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
-_tp_dims: dict[DeviceMesh, set[str]] = {}  # root mesh -> names of its dims that tensor parallelism splits over
+_spans: dict[int, tuple[DeviceMesh, frozenset[int]]] = {}  # id(mesh) -> (mesh, the root dims it spans)
+_replica_dims: dict[DeviceMesh, set[int]] = {}  # root mesh -> dims along which ranks hold copies
 
 
-def counted_copy(mesh: DeviceMesh) -> bool:
-    """Whether this rank's copy of `mesh` (a sub-mesh: one copy per coordinate of the root
-    mesh's other dims) is one whose pieces a global sum counts. Copies that differ only in a
-    tensor-parallel dim hold equal pieces (TP keeps what it does not split equal on its
-    ranks): only the one at TP coordinate 0 counts. Copies along any other dim (pipeline
-    stages, a group of other ranks) hold other parameters: all count. Reads no tensor: a
-    read in a training step would look like a host sync."""
+def spanned_dims(mesh: DeviceMesh) -> frozenset[int]:
+    """The dims of `mesh`'s root mesh that it reaches along from this rank, found by ranks (so a
+    flattened dim counts as the dims it joins); worked out once per mesh, when a unit is made:
+    a mesh tensor read in a training step would look like a host sync."""
+    if id(mesh) not in _spans:
+        root = mesh._get_root_mesh()
+        dims = frozenset(range(root.ndim))
+        if root is not mesh:
+            ranks, coordinate = set(mesh.mesh.flatten().tolist()), root.get_coordinate()
+            neighbours = {k: [*coordinate[:k], (coordinate[k] + 1) % root.size(k), *coordinate[k + 1 :]]
+                          for k in range(root.ndim) if root.size(k) > 1}
+            dims = frozenset(k for k, other in neighbours.items() if root.mesh[tuple(other)].item() in ranks)
+        _spans[id(mesh)] = (mesh, dims)
+    return _spans[id(mesh)][1]
+
+
+def add_replica_dims(mesh: DeviceMesh) -> None:
+    """Note that ranks along `mesh`'s dims (a unit's data-parallel mesh, or its parameters' TP
+    mesh) hold copies of what a parameter not split over them holds."""
+    _replica_dims.setdefault(mesh._get_root_mesh(), set()).update(spanned_dims(mesh))
+
+
+def counted_copy(mesh: DeviceMesh, spans: bool = True) -> bool:
+    """Whether a global sum counts this rank's piece of a value on `mesh` (`spans` False: a plain
+    tensor, on no dim of it): only at coordinate 0 of the data-parallel and TP dims it does not
+    span, whose ranks hold copies; along any other dim (pipeline stages) ranks hold other parts."""
     root = mesh._get_root_mesh()
-    names, mine = root.mesh_dim_names or (), mesh.mesh_dim_names or ()
-    coordinate = root.get_coordinate()
-    return all(coordinate[names.index(name)] == 0 for name in _tp_dims.get(root, ()) if name not in mine)
+    coordinate, spanned = root.get_coordinate(), spanned_dims(mesh) if spans else frozenset()
+    return all(coordinate[k] == 0 for k in _replica_dims.get(root, set()) - spanned)
 
 
 def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool,
@@ -201,9 +221,9 @@ def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool,
     if tp is None:
         return group.mesh, dp
     split = 1  # TP shards of dim 0 that the dp split goes inside
-    for dim, placement in enumerate(tp.placements):
+    for tp_dim, placement in enumerate(tp.placements):
         if placement.is_shard(0):
-            split *= tp.mesh.size(dim)
+            split *= tp.mesh.size(tp_dim)
     if split > 1:
         dp = tuple(_StridedShard(0, split_factor=split) if isinstance(p, Shard) else p for p in dp)
     return spmd_mesh(group.mesh, tp.mesh), (*dp, *tp.placements)
@@ -237,7 +257,7 @@ def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, f
                    f"{dp_mesh.mesh_dim_names} are not distinct dims of one mesh ({e})",
                    'Slice both from one mesh: mesh_2d["dp"] for fully_shard, mesh_2d["tp"] for tensor '
                    "parallelism.") from None
-    _tp_dims.setdefault(tp_mesh._get_root_mesh(), set()).update(tp_mesh.mesh_dim_names)
+    add_replica_dims(tp_mesh)
 
 
 def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
@@ -255,6 +275,7 @@ def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
             'mesh_3d["dp"] of a (pp, dp, tp) mesh), or a mesh of the group of ranks it trains with.',
         )
     roles = mesh_roles(mesh)
+    add_replica_dims(mesh)  # for clip_grad_norm_
     groups = {role: mesh.get_group(dim) for dim, role in enumerate(roles)}
     sizes = {role: mesh.size(dim) for dim, role in enumerate(roles)}
     world = sizes.get("shard", 1)

@@ -187,8 +187,8 @@ class ShardedParam:
         return value
 
     def full_grad(self) -> torch.Tensor | None:
-        """The full parameter's gradient, taken: a plain tensor of the local part's shape,
-        added to what `hold_grad` kept, rows first. A TP gradient that is still a partial sum over the TP
+        """The full parameter's gradient, taken: a plain tensor of the local part, rows first
+        (a strided view for Note [another dim]), added to what `hold_grad` kept. A TP gradient that is still a partial sum over the TP
         ranks (a replicated weight applied to sequence-parallel activations) is summed over
         them first."""
         grad = self.unsharded.grad

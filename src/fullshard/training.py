@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from fullshard import runtime
@@ -53,12 +54,13 @@ def stats(model: nn.Module) -> Stats:
     return unit_hooks(units_of(model, "stats")[0].module).lazy_init().stats
 
 
-def counts_once(grad: torch.Tensor) -> bool:
+def counts_once(grad: torch.Tensor, dp_mesh: DeviceMesh) -> bool:
     """Whether this rank's piece of `grad` is the copy counted in a global norm: of the
     ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim, on a
-    counted copy of a sub-mesh (mesh.counted_copy)."""
+    counted copy of a sub-mesh (mesh.counted_copy); a plain tensor once per copy of the model
+    on `dp_mesh`'s root (once per pipeline stage)."""
     if not isinstance(grad, DTensor):
-        return dist.get_rank() == 0
+        return counted_copy(dp_mesh, spans=False)
     mesh = grad.device_mesh
     if any(c != 0 for c, placement in zip(mesh.get_coordinate(), grad.placements) if isinstance(placement, Replicate)):
         return False
@@ -92,7 +94,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     rt = runtime.active
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # tied parameters once
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    counted = [t for g, t in zip(grads, locals_) if counts_once(g) and t.numel()]
+    counted = [t for g, t in zip(grads, locals_) if counts_once(g, root.group.mesh) and t.numel()]
     # CPU offload: gradients in host memory are summed on the host, the total goes to the
     # device, whose memory is all NCCL reads, and the coefficient comes back (a host sync)
     partials = []

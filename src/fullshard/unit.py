@@ -151,12 +151,10 @@ class Unit:
         one = set(self.full_dtypes)
         self.wire_dtype = one.pop() if len(one) == 1 else torch.uint8 if one else torch.float32
 
-    def on_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One tensor per parameter as a gather moves it: as it is (the gather's staging copy
-        casts), or as the bytes of its full dtype (cast here first: Note [bytes on the wire])."""
-        if self.wire_dtype != torch.uint8:
-            return tensors
-        return [t.to(dtype).view(torch.uint8) for t, dtype in zip(tensors, self.full_dtypes)]
+    def on_wire(self, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Full tensors (one per parameter, in its full dtype) as a gather moves them: as they
+        are, or as their bytes (Note [bytes on the wire])."""
+        return fulls if self.wire_dtype != torch.uint8 else [t.view(torch.uint8) for t in fulls]
 
     def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """New flat storage for the shards (the masters) and the full parameters; returns
@@ -210,25 +208,21 @@ class Unit:
         if self.state is ShardState.FULL or self.pending is not None:
             return
         self.adopt_replaced()  # before the gather reads the shards
-        if self.compute_device.type == "meta" or self.unset:
-            what = "its parameters are on the meta device" if self.compute_device.type == "meta" else \
-                f"parameters {sorted(self.unset)} were given no values by load_state_dict(assign=True)"
-            raise fail(f"unit {self.fqn or type(self.module).__name__!r} cannot run: {what}",
-                       "Give every parameter values first: model.to_empty(device=...) then initialize (e.g. "
-                       "reset_parameters()), or load_state_dict(..., assign=True) of every parameter.")
+        self.check_has_values()
         if self.full_flat is None:
             return
         if self.debug:
             self.check_agreement(0)
         self.gathering_small = self.small is not None
-        source, group = ([self.small], self.small_group) if self.gathering_small else \
-            (self.on_wire(self.shards), self.group.shard_pg)
+        source, group = ([self.small], self.small_group) if self.gathering_small else (self.shards, self.group.shard_pg)
+        as_bytes = self.wire_dtype == torch.uint8 and not self.gathering_small  # `small` is bytes already
         with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
             runtime.active.allocated(self.full_flat)
             self.stats.full_params(self.full_bytes)
-            self.pending = gather_full(source, group=group, dtype=self.wire_dtype,
-                                       device=self.compute_device, pool=self.pool, caller=self.caller(0, "all-gather"))
+            self.pending = gather_full(source, group=group, dtype=self.wire_dtype, device=self.compute_device,
+                                       pool=self.pool, caller=self.caller(0, "all-gather"),
+                                       bytes_of=self.full_dtypes if as_bytes else None)
         if group is not None:
             self.stats.count(self.fqn, "gather", self.pending.sent_bytes)
 
@@ -261,6 +255,16 @@ class Unit:
         for p in self.params:
             p.to_full()
         self.state = ShardState.FULL
+
+    def check_has_values(self) -> None:
+        """Refuse to gather a unit still on the meta device, or one that assign=True loads gave
+        only some of its values (a forward would compute with zeros)."""
+        if self.compute_device.type == "meta" or self.unset:
+            what = "its parameters are on the meta device" if self.compute_device.type == "meta" else \
+                f"parameters {sorted(self.unset)} were given no values by load_state_dict(assign=True)"
+            raise fail(f"unit {self.fqn or type(self.module).__name__!r} cannot run: {what}",
+                       "Give every parameter values first: model.to_empty(device=...) then initialize (e.g. "
+                       "reset_parameters()), or load_state_dict(..., assign=True) of every parameter.")
 
     def adopt_replaced(self) -> None:
         """Take parameters assigned in the shards' place between steps (load_state_dict(assign=True))
@@ -317,13 +321,19 @@ class Unit:
         """Debug checks: every rank is about to run the same collective (0: all-gather, 1: reduce-scatter,
         with `mask` a hash of which parameters have gradients) of the same unit at the same step."""
         mine = [self.index, kind, self.step, mask, self.evaluating]
+        for group in (self.group.shard_pg, self.group.replicate_pg):  # the ranks this unit communicates with
+            if group is not None:
+                self.compare_next(mine, group)
+
+    def compare_next(self, mine: list[int], group: dist.ProcessGroup) -> None:
+        """check_agreement within one of the unit's groups."""
         try:
-            everyone = all_gather_ints(mine, device=self.group.device, timeout=self.timeout)
+            everyone = all_gather_ints(mine, device=self.group.device, timeout=self.timeout, group=group)
         except CollectiveError as e:
             raise self.failed("debug check", e) from None
         if any(theirs != mine for theirs in everyone):
-            what = ["all-gather", "reduce-scatter"]
-            seen = "; ".join(f"rank {r}: {what[k]} of {self.names[i]!r} at step {s}" +
+            what, ranks = ["all-gather", "reduce-scatter"], dist.get_process_group_ranks(group)
+            seen = "; ".join(f"rank {ranks[r]}: {what[k]} of {self.names[i]!r} at step {s}" +
                              (f" (gradient mask {m:#x})" if k else "") + (" in a forward without gradients" if e else "")
                              for r, (i, k, s, m, e) in enumerate(everyone))
             raise fail(f"ranks disagree on the next collective ({seen})",
@@ -374,6 +384,8 @@ class Unit:
     def gather_masters(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, gathered into new tensors on the compute
         device (to read or edit whole weights; the unit's own state does not change)."""
+        if self.unset:
+            self.check_has_values()
         fulls = {}
         for dtype in dict.fromkeys(self.master_dtypes):  # one gather per master dtype
             mine = [i for i, d in enumerate(self.master_dtypes) if d == dtype]
@@ -488,7 +500,7 @@ class Unit:
             self.owes_all_reduce = True
         flags_at = shard.numel() - len(grad_params)
         if self.config.offload:
-            masters = {p.sharded.dtype for p in grad_params}  # land on the host in the masters' dtype when they share one
+            masters = {p.sharded.dtype for p in grad_params}  # land on the host in the masters' dtype if one
             row = shard.to(*masters) if len(masters) == 1 and shard.dtype not in masters else shard
             host = rt.to_host(row, pin=self.config.pin_memory)  # [grad_shard_numel + n_flags]
             self.unlanded.append((grad_params, host[flags_at:], host))
