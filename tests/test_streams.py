@@ -8,19 +8,24 @@ host/device memory split are modelled as CUDA has them. The matrix: strategy
 reshard_after_forward=2) x precision (fp32, bf16, fp16 with a GradScaler) x CPU offload
 (on, off) x schedule (prefetch on, off, gradient accumulation, no_sync). Every world size
 runs its whole share in one job (one `world.run`), whose results the tests below read.
+Units of several parameter dtypes, split along another dim than 0, are checked apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard
 
 import fullshard
 from fullshard import runtime
 from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.hooks import units_under
 from fullshard.stream_model import StreamModel
 from tests.models import SEQ, VOCAB, build, token_batch, train_modelled
 from tests.reference import global_batches, local_slice
@@ -89,9 +94,62 @@ def bench_syncs(n_layer: int) -> int:
     return host_syncs_per_step(model, batch, optimizer)
 
 
+class Mixed(nn.Module):
+    """Parameters of four dtypes in one unit (an integer one among them): bytes on the wire,
+    one reduce-scatter per reduce dtype (Note [bytes on the wire])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(6, 6).to(torch.bfloat16).requires_grad_(False)
+        self.inner, self.outer = nn.Linear(6, 5).double(), nn.Linear(5, 3)
+        self.index = nn.Parameter(torch.tensor([2, 1, 0]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.frozen(x.to(self.frozen.weight.dtype)).to(self.inner.weight.dtype)
+        return self.outer(torch.tanh(self.inner(x)).to(self.outer.weight.dtype))[:, self.index]
+
+
+def mixed_checker() -> dict[str, list[str]]:
+    """Stream-order violations of units of several dtypes, split along dim 0 or their last dim
+    (Note [another dim]), with and without a param_dtype and CPU offload, on native collectives
+    and gloo's rows: two steps of a micro-batch without sync, then one with, and clipping."""
+    out = {}
+    last = lambda p: Shard(-1) if p.dim() >= 2 else None  # noqa: E731
+    for native, offload, placement, param_dtype in itertools.product((True, False), (False, True), (None, last),
+                                                                     (None, torch.float32)):
+        model_rt = StreamModel(native=native)
+        with runtime.installed(model_rt), model_rt.tracking():
+            torch.manual_seed(0)
+            model = Mixed()
+            options = dict(shard_placement_fn=placement, offload_policy=fullshard.CPUOffloadPolicy() if offload else None,
+                           mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype else None)
+            fullshard.fully_shard(model.inner, **options)
+            fullshard.fully_shard(model, **options)
+            if offload:
+                model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.shards])
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
+            for step in range(2):
+                for micro in range(2):
+                    with fullshard.no_sync(model) if micro == 0 else contextlib.nullcontext():
+                        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2 * step + micro))
+                        model(x).square().mean().backward()
+                    model_rt.check_joined(f"step {step} backward {micro}")
+                fullshard.clip_grad_norm_(model, 1.0)
+                for p in model.parameters():  # what the optimizer reads and writes
+                    if p.grad is not None:
+                        model_rt.reads(p.grad)
+                    model_rt.writes(p)
+                optimizer.step()
+                optimizer.zero_grad()
+        out[f"native={native} offload={offload} split={'last' if placement else 0} param_dtype={param_dtype}"] = \
+            model_rt.violations
+    return out
+
+
 def world2_job() -> dict:
     """Everything this file checks on 2 ranks, in one job."""
     return {
+        "mixed": mixed_checker(),
         "matrix": checker(WORLD2),
         "gloo_rows": checker(**GLOO_ROWS),
         "more_units": checker(n_layer=3, **GROWTH),
@@ -143,6 +201,13 @@ def test_stream_order_and_host_syncs_world2(on2):
 def test_stream_order_and_host_syncs_world4(on4):
     check_results([got["matrix"] for got in on4])
     assert len(on4[0]["matrix"]) == len(WORLD4) * len(WORLD4_PRECISIONS) * 2 * len(MODES)
+
+
+def test_stream_order_of_units_of_several_dtypes_and_split_dims(on2):
+    for got in on2:
+        assert len(got["mixed"]) == 16
+        for name, violations in got["mixed"].items():
+            assert not violations, f"{name}:\n" + "\n".join(violations[:8])
 
 
 def test_stream_order_on_gloo_rows(on2):
