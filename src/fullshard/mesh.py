@@ -235,6 +235,7 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     key = (dp_mesh, tp_mesh)
     if key not in _spmd_meshes:
         _spmd_meshes[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        spanned_dims(_spmd_meshes[key])  # for clip_grad_norm_, now rather than in a training step
     return _spmd_meshes[key]
 
 
