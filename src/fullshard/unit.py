@@ -17,12 +17,12 @@ A training step moves every unit through the same cycle (hooks.py decides when):
 
 # Note [bytes on the wire]: a unit's parameters may have several dtypes (a norm kept in
 # float32 among bf16 weights, frozen int8 weights beside trainable adapters). Each keeps
-# its own as its shard. With a param_dtype they are all gathered and computed in it, the
-# gather's staging copy casting. Without one, each full parameter has its master's dtype,
-# so the one gather moves bytes: every shard is viewed as uint8 (first cast to its full
-# dtype when a param_dtype applies to some: an integer parameter keeps its own), and the
-# full storage is bytes with each parameter's block aligned for its dtype. Gradients cannot be summed as
-# bytes: the unit reduce-scatters once per reduce dtype.
+# its own as its shard. With a param_dtype the floating ones are gathered and computed in
+# it, the gather's staging copy casting. Otherwise each full parameter has its master's
+# dtype, and when they differ the one gather moves bytes: every shard goes as the bytes of
+# its full dtype (cast first where a param_dtype applies: an integer parameter keeps its
+# own), and the full storage is bytes, each parameter's block aligned for its dtype.
+# Gradients cannot be summed as bytes: the unit reduce-scatters once per reduce dtype.
 
 Between steps every unit is SHARDED with no collective in flight: the modules hold
 the DTensor shards, which is all the optimizer sees. While FULL, the modules hold
@@ -150,6 +150,8 @@ class Unit:
         self.reduce_dtypes = [self.config.reduce_dtype or dtype for dtype in self.full_dtypes]
         one = set(self.full_dtypes)
         self.wire_dtype = one.pop() if len(one) == 1 else torch.uint8 if one else torch.float32
+        self.wire_numels = [numel * dtype.itemsize // self.wire_dtype.itemsize  # per rank, per parameter
+                            for numel, dtype in zip(self.shard_numels, self.full_dtypes)]
 
     def on_wire(self, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full tensors (one per parameter, in its full dtype) as a gather moves them: as they
@@ -343,8 +345,7 @@ class Unit:
     def gathered_numels(self) -> list[int]:
         """Elements (of the wire dtype) each rank of the gathering group holds per parameter."""
         longer = self.group.world // self.config.post_forward_world if self.gathering_small else 1
-        per_element = [dtype.itemsize // self.wire_dtype.itemsize for dtype in self.full_dtypes]
-        return [longer * numel * size for numel, size in zip(self.shard_numels, per_element)]
+        return [longer * numel for numel in self.wire_numels]
 
     def free_after_forward(self) -> None:
         """reshard() after forward, keeping this rank's 1/k first (Note [smaller world after forward])."""
