@@ -525,7 +525,8 @@ def placement_job(tmp: str) -> dict:
                 model.load_state_dict(reference.state_dict())
         else:
             model.load_state_dict({k: v.detach().clone() for k, v in reference.state_dict().items()}, assign=True)
-        got[name] = {"layout": {n: (repr(p.placements[0]), tuple(p.to_local().shape)) for n, p in model.named_parameters()}}
+        got[name] = {"layout": {n: (repr(p.placements[0]), tuple(p.to_local().shape))
+                                for n, p in model.named_parameters()}}
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
         norms = []
@@ -583,10 +584,11 @@ class Lookup(nn.Module):
 
 
 def details_job() -> dict:
-    """What FSDP2 code relies on beyond the methods: torch's MixedPrecisionPolicy object taken, a
-    dataclass or OrderedDict input cast to param_dtype (the caller's object left as it was), an integer parameter kept as it is under a
-    param_dtype, and hooks registered with register_post_accumulate_grad_hook on the shards run
-    once per reduced gradient, so an optimizer stepped inside backward trains like one stepped after."""
+    """What FSDP2 code relies on beyond the methods: torch's MixedPrecisionPolicy object taken,
+    a dataclass or OrderedDict input cast to param_dtype (the caller's object left as it was), a
+    custom mapping passed on, an integer parameter kept as it is under a param_dtype, and hooks
+    registered with register_post_accumulate_grad_hook on the shards run once per reduced
+    gradient, so an optimizer stepped inside backward trains like one stepped after."""
     import collections
 
     @dataclasses.dataclass

@@ -121,7 +121,8 @@ def mixed_checker() -> dict[str, list[str]]:
         with runtime.installed(model_rt), model_rt.tracking():
             torch.manual_seed(0)
             model = Mixed()
-            options = dict(shard_placement_fn=placement, offload_policy=fullshard.CPUOffloadPolicy() if offload else None,
+            options = dict(shard_placement_fn=placement,
+                           offload_policy=fullshard.CPUOffloadPolicy() if offload else None,
                            mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype else None)
             fullshard.fully_shard(model.inner, **options)
             fullshard.fully_shard(model, **options)

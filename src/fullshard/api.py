@@ -647,9 +647,10 @@ def fully_shard(
     Apply bottom-up: inner modules first, the root last. Afterwards every managed
     parameter is an ``nn.Parameter`` wrapping a ``DTensor`` sharded ``Shard(0)`` (or the
     dim ``shard_placement_fn`` gives) over the mesh's shard dimension (``Replicate()`` over
-    a replicate dimension), so an optimizer built from ``model.parameters()`` steps on shards. Before the unit's forward and
-    backward one all-gather rebuilds the full parameters; after its backward one
-    reduce-scatter leaves each rank the average gradient of its shard. The module's
+    a replicate dimension), so an optimizer built from ``model.parameters()`` steps on
+    shards. Before the unit's forward and backward one all-gather rebuilds the full
+    parameters; after its backward one reduce-scatter leaves each rank the average
+    gradient of its shard. The module's
     buffers move to the compute device (in place: the buffer objects stay the same, so
     references to them stay valid); they are not sharded.
 

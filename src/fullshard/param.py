@@ -188,9 +188,9 @@ class ShardedParam:
 
     def full_grad(self) -> torch.Tensor | None:
         """The full parameter's gradient, taken: a plain tensor of the local part, rows first
-        (a strided view for Note [another dim]), added to what `hold_grad` kept. A TP gradient that is still a partial sum over the TP
-        ranks (a replicated weight applied to sequence-parallel activations) is summed over
-        them first."""
+        (a strided view for Note [another dim]), added to what `hold_grad` kept. A TP gradient
+        still a partial sum over the TP ranks (a replicated weight applied to sequence-parallel
+        activations) is summed over them first."""
         grad = self.unsharded.grad
         if grad is not None and self.tp_mesh is not None:
             if tuple(grad.placements) != self.tp_placements:  # e.g. Partial()

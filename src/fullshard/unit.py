@@ -336,7 +336,8 @@ class Unit:
         if any(theirs != mine for theirs in everyone):
             what, ranks = ["all-gather", "reduce-scatter"], dist.get_process_group_ranks(group)
             seen = "; ".join(f"rank {ranks[r]}: {what[k]} of {self.names[i]!r} at step {s}" +
-                             (f" (gradient mask {m:#x})" if k else "") + (" in a forward without gradients" if e else "")
+                             (f" (gradient mask {m:#x})" if k else "") +
+                             (" in a forward without gradients" if e else "")
                              for r, (i, k, s, m, e) in enumerate(everyone))
             raise fail(f"ranks disagree on the next collective ({seen})",
                        "Every rank must run the same units in the same order and compute gradients for the same "
