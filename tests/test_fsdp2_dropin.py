@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import fullshard
 from fullshard.gpt import Block
 from tests.models import tiny_gpt, token_batch
-from tests.reference import ADAMW_TOL, LOSS_TOL, full_state, max_diff
+from tests.reference import ADAMW_TOL, LOSS_TOL, SGD_TOL, full_state, max_diff
 from tests.test_errors import raises
 
 
@@ -751,3 +751,66 @@ def pipeline_mesh_job() -> dict:
 def test_a_pipeline_mesh_counts_each_stage_once(world4):
     for got in world4.run(pipeline_mesh_job):
         assert got["norm"] <= LOSS_TOL, got
+
+
+class SpmdMLP(nn.Module):
+    """Weights split by tensor parallelism (columns, then rows) and a replicated scale, written
+    for DTensor inputs on the full mesh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2, self.g = nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(3, 8)), \
+            nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.relu(x @ self.w1.T) @ self.w2.T) * self.g
+
+
+def spmd_job() -> dict:
+    """fully_shard(model, mesh=full_mesh, dp_mesh_dims=...) (torch 2.13's SPMD meshes) on
+    (dp 2, tp 2) and on (replicate 2, shard 2): the same placements as torch's FSDP2, and 3 SGD
+    steps on DTensor inputs give FSDP2's parameters (each rank's gradient on the data-parallel
+    dims is its partial sum, averaged as FSDP2 averages it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    got = {}
+    for names, dims, layouts in (
+            (("dp", "tp"), DataParallelMeshDims(shard="dp"), [[Replicate(), Shard(0)], [Replicate(), Shard(1)],
+                                                             [Replicate(), Replicate()]]),
+            (("rep", "shard"), DataParallelMeshDims(shard="shard", replicate="rep"), [[Replicate(), Replicate()]] * 3)):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        runs = {}
+        for shard_it in (fullshard.fully_shard, torch_fully_shard):
+            torch.manual_seed(0)
+            model = SpmdMLP()
+            for (name, p), layout in zip(list(model.named_parameters()), layouts):
+                setattr(model, name, nn.Parameter(distribute_tensor(p.detach(), mesh, layout)))
+            shard_it(model, mesh=mesh, dp_mesh_dims=dims)
+            placements = [tuple(p.placements) for p in model.parameters()]
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                batch = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+                dp_rank = mesh.get_local_rank(0) * 2 + mesh.get_local_rank(1) if names[0] == "rep" else \
+                    mesh.get_local_rank(0)
+                batch = batch.chunk(4 if names[0] == "rep" else 2)[dp_rank]
+                x = DTensor.from_local(batch, mesh, [Shard(0), Shard(0) if names[0] == "rep" else Replicate()])
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            runs[shard_it] = ([repr(p) for p in placements], {n: p.full_tensor() for n, p in model.named_parameters()})
+        (ours, our_values), (theirs, their_values) = runs[fullshard.fully_shard], runs[torch_fully_shard]
+        got[names[0]] = {"placements": ours == theirs, "param": max_diff(our_values, their_values)}
+    plain = nn.Linear(2, 2)
+    got["plain refused"] = raises(lambda: fullshard.fully_shard(plain, mesh=mesh, dp_mesh_dims=dims))
+    return got
+
+
+def test_spmd_meshes_with_dp_mesh_dims_train_as_fsdp2(world4):
+    for got in world4.run(spmd_job):
+        for name in ("dp", "rep"):
+            assert got[name]["placements"], got
+            assert got[name]["param"] <= SGD_TOL, got  # the same arithmetic, averaged over ranks in another order
+        assert "must be a DTensor on the mesh passed" in got["plain refused"], got

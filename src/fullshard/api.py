@@ -20,7 +20,7 @@ from fullshard.collectives import all_gather_ints, all_gather_json
 
 from fullshard.errors import fail
 from fullshard.hooks import HOOKS_ATTR, Phase, Schedule, UnitHooks, unit_hooks, units_under
-from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group
+from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group, spmd_dp_mesh
 from fullshard.param import local_values
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.runtime import CollectiveError
@@ -385,6 +385,32 @@ def from_torch_policy(policy):
     return policy
 
 
+def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims):
+    """Note [SPMD meshes]: the data-parallel mesh that `dp_mesh_dims` names in `mesh`; each
+    parameter, a DTensor on `mesh` replicated over those dims, becomes the DTensor of the other
+    dim (or its local part), keeping its spec there to show while full."""
+    from torch.distributed.tensor import DTensor, Replicate  # noqa: PLC0415
+
+    dp_mesh, dp_dims, tp_name = spmd_dp_mesh(mesh, dp_mesh_dims)
+    for o in owned:
+        p = o.param
+        if not isinstance(p, DTensor) or p.device_mesh != mesh or \
+                any(not isinstance(p.placements[i], Replicate) for i in dp_dims):
+            what = f"a DTensor placed {tuple(p.placements)} on {p.device_mesh}" if isinstance(p, DTensor) else \
+                "a plain tensor"
+            raise fail(f"with dp_mesh_dims, parameter {o.fqn!r} must be a DTensor on the mesh passed, Replicate() "
+                       f"on its data-parallel dims; it is {what}", "Distribute every parameter over the full mesh "
+                       "first (distribute_tensor / distribute_module), or pass the data-parallel sub-mesh as mesh.")
+        local = p._local_tensor
+        if tp_name is not None:
+            tp = mesh.mesh_dim_names.index(tp_name)
+            local = DTensor.from_local(local, mesh[tp_name], [p.placements[tp]], run_check=False, shape=p.shape,
+                                       stride=p.stride())
+        o.view = (p._spec, dp_dims)
+        o.param = nn.Parameter(local, requires_grad=p.requires_grad)
+    return dp_mesh
+
+
 def set_split_dims(owned: list[OwnedParam], shard_placement_fn) -> None:
     """Set the dim each parameter is split along from FSDP2's shard_placement_fn (Note [another
     dim]): None is Shard(0); a negative dim counts from the last."""
@@ -676,10 +702,10 @@ def fully_shard(
         offload_policy: a :class:`CPUOffloadPolicy`.
         ignored_params: parameters under `module` that stay as they are: not sharded, not
             moved, their gradients not reduced.
-        dp_mesh_dims: FSDP2's (torch 2.13) naming of the data-parallel dims of a full SPMD
-            mesh whose DTensor parameters replicate over them; not offered: pass the
-            data-parallel dims as the mesh (``mesh_2d["dp"]``) and tensor-parallel DTensors
-            on the other dim, which shard the same way.
+        dp_mesh_dims: FSDP2's (torch 2.13) ``DataParallelMeshDims``: ``mesh`` is then the full
+            mesh, every parameter a DTensor on it replicated over the dims named here (shard
+            dims, and replicate dims for hybrid sharding), with at most one other dim (tensor
+            parallelism). While full, parameters are DTensors on that mesh again.
 
     Raises:
         FullShardError: before anything changes, when the module is already sharded, a
@@ -695,10 +721,6 @@ def fully_shard(
     if any(isinstance(m, FSDPModule) for m in modules):
         raise fail(f"this {what} is already sharded",
                    "Call fully_shard once per module, inner modules first and the root last.")
-    if dp_mesh_dims is not None:
-        raise fail("fully_shard(dp_mesh_dims=...) (parameters as DTensors on a full SPMD mesh) is not offered by "
-                   "fullshard", 'Pass the data-parallel dims as the mesh, e.g. fully_shard(block, mesh=mesh_2d["dp"]), '
-                   'with tensor parallelism applied on mesh_2d["tp"] (docs/composition.md); the shards are the same.')
     if reshard_after_forward is None:  # FSDP2's default: free, except the root's (which fullshard always keeps)
         reshard_after_forward = True
     if type(reshard_after_forward) not in (bool, int):
@@ -718,6 +740,11 @@ def fully_shard(
     _IGNORED.update((p, True) for p in ignored_params or ())
     if shard_placement_fn is not None:
         set_split_dims(owned, shard_placement_fn)
+    if dp_mesh_dims is not None:  # Note [SPMD meshes]
+        if mesh is None:
+            raise fail("fully_shard(dp_mesh_dims=...) needs the full mesh", "Pass mesh=the mesh the parameters "
+                       "are DTensors on, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\")).")
+        mesh = from_spmd_mesh(owned, mesh, dp_mesh_dims)
     group = shard_group(mesh)
     check_owned(what, owned, group)
     check_ranks_agree(f"this {what}",

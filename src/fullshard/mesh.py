@@ -239,6 +239,27 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     return _spmd_meshes[key]
 
 
+def spmd_dp_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, frozenset[int], str | None]:
+    """FSDP2's dp_mesh_dims (torch 2.13) on a full SPMD mesh: the data-parallel mesh it names (its
+    shard dims flattened into one, then its replicate dims likewise before them for hybrid
+    sharding), the indices of those dims in `mesh`, and the one other dim (tensor parallelism),
+    if any (Note [SPMD meshes], param.py)."""
+    shard, replicate = tuple(getattr(dims, "shard_names", ())), tuple(getattr(dims, "replicate_names", ()))
+    names = mesh.mesh_dim_names or ()
+    others = [name for name in names if name not in shard + replicate]
+    if not shard or any(name not in names for name in shard + replicate) or len(others) > 1:
+        raise fail(f"dp_mesh_dims={dims!r} on a mesh of dims {names}: fullshard takes shard dims (and replicate "
+                   f"dims) that are named dims of the mesh, and at most one other dim (tensor parallelism)",
+                   "Name the shard dims, e.g. DataParallelMeshDims(shard=\"dp\"), of a mesh built with "
+                   "mesh_dim_names; or pass mesh=mesh[\"dp\"] with tensor-parallel DTensors on mesh[\"tp\"].")
+
+    def one(group: tuple[str, ...]) -> DeviceMesh:
+        return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
+
+    dp = DeviceMesh._concatenate([one(replicate), one(shard)]) if replicate else one(shard)
+    return dp, frozenset(names.index(name) for name in shard + replicate), others[0] if others else None
+
+
 def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, fqn: str) -> None:
     """Refuse a tensor-parallel DTensor parameter that fullshard cannot shard further over `dp_mesh`."""
     if tp_mesh.ndim != 1 or not all(p.is_shard() or p.is_replicate() for p in placements) or \

@@ -30,6 +30,15 @@
 # sharding, so tensor parallelism's forward runs unchanged. Shapes below (`shape`, rows)
 # are of the local part; `global_shape` is the parameter's.
 #
+# Note [SPMD meshes]: FSDP2's dp_mesh_dims (torch 2.13) passes the full mesh (e.g. (dp, tp))
+# with every parameter a DTensor on it, replicated over the data-parallel dims. fully_shard
+# takes the data-parallel dims as the unit's mesh and each parameter as the DTensor of its
+# other dim (tensor parallelism, Note [tensor parallel parameters]) or as its plain local
+# part, so it shards as a sub-mesh would. What forward sees is as the user made it: while
+# full, a parameter is a DTensor on the full mesh again (`view`), and of its gradient only
+# the other dim is redistributed; the data-parallel dims stay as they are (a partial sum
+# over them is what this rank's row of the reduce-scatter is), as FSDP2 does.
+#
 # Note [stable full params]: autograd saves the full parameter in forward and reads it
 # in backward, possibly after a reshard and a new gather in between. So the full
 # Parameter objects are made once, as views of one storage per unit; freeing them
@@ -46,6 +55,7 @@ import math
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard.errors import fail
 from fullshard.mesh import ShardGroup, spmd_layout
@@ -93,12 +103,15 @@ class ShardedParam:
         segment: torch.Tensor,
         full_segment: torch.Tensor | None,
         dim: int = 0,
+        view: tuple[DTensorSpec, frozenset[int]] | None = None,
     ) -> None:
         """`segment` is this parameter's part of the unit's flat shard; `full_segment` its
         part of the unit's full storage (None when one rank holds every row); `dim` the
-        dim it is split along (Note [another dim])."""
+        dim it is split along (Note [another dim]); `view` its DTensor spec on a full SPMD mesh
+        and that mesh's data-parallel dims (Note [SPMD meshes])."""
         self.fqn = fqn
         self.dim = dim
+        self.view = view
         self.slots = slots  # every (module, attribute) the parameter is registered under
         tp = original._spec if isinstance(original, DTensor) else None  # Note [tensor parallel parameters]
         self.tp_mesh = tp.mesh if tp else None
@@ -164,10 +177,13 @@ class ShardedParam:
 
     def on_tp_mesh(self, full_local: torch.Tensor) -> torch.Tensor:
         """The full parameter as forward sees it: a DTensor on the TP mesh over the gathered
-        local part (Note [tensor parallel parameters]), or the plain tensor."""
-        if self.tp_mesh is None:
+        local part (Note [tensor parallel parameters]), on the full SPMD mesh (Note [SPMD
+        meshes]), or the plain tensor."""
+        mesh, placements = (self.view[0].mesh, self.view[0].placements) if self.view else \
+            (self.tp_mesh, self.tp_placements)
+        if mesh is None:
             return full_local
-        return DTensor.from_local(full_local, self.tp_mesh, self.tp_placements, run_check=False,
+        return DTensor.from_local(full_local, mesh, placements, run_check=False,
                                   shape=self.global_shape, stride=self.global_stride)
 
     def whole(self, full_local: torch.Tensor) -> torch.Tensor:
@@ -192,9 +208,13 @@ class ShardedParam:
         still a partial sum over the TP ranks (a replicated weight applied to sequence-parallel
         activations) is summed over them first."""
         grad = self.unsharded.grad
-        if grad is not None and self.tp_mesh is not None:
-            if tuple(grad.placements) != self.tp_placements:  # e.g. Partial()
-                grad = grad.redistribute(placements=self.tp_placements)
+        if isinstance(grad, DTensor):
+            want = self.tp_placements  # e.g. from Partial()
+            if self.view is not None:  # the data-parallel dims as they are, Note [SPMD meshes]
+                spec, dp_dims = self.view
+                want = tuple(grad.placements[i] if i in dp_dims else p for i, p in enumerate(spec.placements))
+            if tuple(grad.placements) != want:
+                grad = grad.redistribute(placements=want)
             grad = grad.to_local()
         if grad is not None:
             grad = self.rows(grad)

@@ -40,6 +40,7 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard import runtime
 from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingReduce, all_gather_ints,
@@ -79,6 +80,7 @@ class OwnedParam:
     fqn: str  # relative to the unit's module
     slots: list[tuple[nn.Module, str]]
     dim: int = 0  # the dim it is split along (FSDP2's shard_placement_fn, Note [another dim])
+    view: tuple[DTensorSpec, frozenset[int]] | None = None  # Note [SPMD meshes]: its spec there, the dp dims
 
 
 LIVE_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()  # (no weakrefs to parameters: materialize swaps them)
@@ -114,7 +116,7 @@ class Unit:
         self.set_master_dtypes([o.param.dtype for o in owned])
         self.compute_device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
         segments = self.allocate()
-        self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment, o.dim)
+        self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment, o.dim, o.view)
                        for o, segment in zip(owned, segments)]
         self.release_storage()
         for p in self.params:
