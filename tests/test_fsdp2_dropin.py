@@ -297,7 +297,6 @@ def methods_job() -> dict:
     out["not offered"] = raises(lambda: kept.set_custom_all_gather(None))
     fullshard.share_comm_ctx([kept, model])  # fullshard's streams are the process's already
     out["share not a unit"] = raises(lambda: fullshard.share_comm_ctx([nn.Linear(2, 2)]))
-    out["dp_mesh_dims"] = raises(lambda: fullshard.fully_shard(nn.Linear(2, 2), dp_mesh_dims=object()))
     return out
 
 
@@ -314,7 +313,7 @@ def test_fsdp2_methods_do_what_fsdp2_documents(world2):
         # the root kept until its backward (1 gather), the embedding gathered for forward only (1)
         assert got["unshard in backward"][0] == 2 and got["unshard in backward"][1] <= 1e-5, got
         assert "does not offer" in got["not offered"], got
-        assert "not units" in got["share not a unit"] and "not offered" in got["dp_mesh_dims"], got
+        assert "not units" in got["share not a unit"], got
 
 
 def replicate_job() -> dict:
@@ -805,6 +804,9 @@ def spmd_job() -> dict:
         got[names[0]] = {"placements": ours == theirs, "param": max_diff(our_values, their_values)}
     plain = nn.Linear(2, 2)
     got["plain refused"] = raises(lambda: fullshard.fully_shard(plain, mesh=mesh, dp_mesh_dims=dims))
+    got["no mesh"] = raises(lambda: fullshard.fully_shard(nn.Linear(2, 2), dp_mesh_dims=dims))
+    got["unknown dim"] = raises(lambda: fullshard.fully_shard(
+        nn.Linear(2, 2), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")))
     return got
 
 
@@ -814,3 +816,4 @@ def test_spmd_meshes_with_dp_mesh_dims_train_as_fsdp2(world4):
             assert got[name]["placements"], got
             assert got[name]["param"] <= SGD_TOL, got  # the same arithmetic, averaged over ranks in another order
         assert "must be a DTensor on the mesh passed" in got["plain refused"], got
+        assert "needs the full mesh" in got["no mesh"] and "named dims of the mesh" in got["unknown dim"], got
