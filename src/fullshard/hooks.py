@@ -109,12 +109,12 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, *, output:
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if type(obj) in (tuple, list):
+    named = isinstance(obj, tuple) and hasattr(obj, "_fields")  # a namedtuple
+    if type(obj) in (tuple, list) or named:
         items = [map_tensors(fn, item, output=output) for item in obj]
-        return obj if all(new is old for new, old in zip(items, obj)) else type(obj)(items)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        items = [map_tensors(fn, item, output=output) for item in obj]
-        return obj if all(new is old for new, old in zip(items, obj)) else type(obj)(*items)
+        if all(new is old for new, old in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if named else type(obj)(items)
     if isinstance(obj, Mapping):
         changed = {key: new for key, value in obj.items()
                    if (new := map_tensors(fn, value, output=output)) is not value}
@@ -453,11 +453,9 @@ class UnitHooks:
             return output
         self.to_run.discard(id(module))
         if self.to_run:  # Note [module groups]: members still to run
-            for tensor in tensors_in(output) if torch.is_grad_enabled() else []:
-                if tensor.requires_grad:
-                    tensor.register_hook(self.pre_backward)
+            if torch.is_grad_enabled():
+                self.hook_backward(output)
             return output
-        self.to_run = set()
         self.phase = Phase.IDLE
         if self.is_root:
             self.ctx.drop_unused_prefetches()
@@ -466,10 +464,14 @@ class UnitHooks:
             return output
         if self.free_after_forward and not (self.keep_if_last and self.ctx.ran_last(self)):  # Note [kept after forward]
             self.unit.free_after_forward()
+        self.hook_backward(output)
+        return output
+
+    def hook_backward(self, output: Any) -> None:
+        """The first gradient that reaches an output of the unit starts its backward."""
         for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(self.pre_backward)
-        return output
 
     @torch.compiler.disable  # Note [compiled modules]
     def pre_backward(self, grad: torch.Tensor) -> None:
