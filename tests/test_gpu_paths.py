@@ -127,7 +127,8 @@ def test_averaging_uses_nccl_avg_and_divides_fp16_first():
     # set_gradient_divide_factor and set_force_sum_reduction_for_comms: NCCL's AVG divides by the
     # ranks it sums over, so another divisor (or sums only) sums and divides after
     assert averaging("nccl", torch.bfloat16, dp_size=8, summed_over=8, divide_by=2.5) == Averaging(False, summed, 2.5)
-    assert averaging("sum only", torch.bfloat16, dp_size=8, summed_over=8, divide_by=8) == Averaging(False, summed, 8)
+    assert averaging("nccl", torch.bfloat16, dp_size=8, summed_over=8, divide_by=8,
+                     force_sum=True) == Averaging(False, summed, 8)
     assert averaging("nccl", torch.float16, dp_size=8, summed_over=8, divide_by=2.5) == Averaging(True, summed, 1)
 
 

@@ -209,11 +209,12 @@ class FSDPModule:
 
         Args:
             hook: ``hook(reduce_output: torch.Tensor) -> None``.
-            stream: not taken: the hook runs on the stream the reduction finished on.
+            stream: not taken: the hook runs on the compute stream, which has waited for the
+                reduction.
         """
         if not callable(hook) or stream is not None:
             raise fail("set_all_reduce_hook takes a callable and no stream",
-                       "Pass hook(reduce_output) -> None; it runs where the reduction finished.")
+                       "Pass hook(reduce_output) -> None; it runs on the compute stream after the reduction.")
         for unit in self._units(False):
             unit.all_reduce_hook = hook
 
@@ -243,7 +244,7 @@ class FSDPModule:
         Args:
             modules: modules passed to ``fully_shard`` (units of the same model).
         """
-        unit_hooks(self).forward_targets = prefetch_targets(modules, "set_modules_to_forward_prefetch")
+        unit_hooks(self).forward_targets = hooks_of(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these units, in this order, when this unit's backward starts.
@@ -253,7 +254,7 @@ class FSDPModule:
         Args:
             modules: modules passed to ``fully_shard`` (units of the same model).
         """
-        unit_hooks(self).backward_targets = prefetch_targets(modules, "set_modules_to_backward_prefetch")
+        unit_hooks(self).backward_targets = hooks_of(modules, "set_modules_to_backward_prefetch")
 
     def set_timeout(self, seconds: float, *, recurse: bool = True) -> None:
         """Give up on a collective of these units after `seconds` (default 300) with a
@@ -345,13 +346,13 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
                    "Build the optimizer after shard_model / fully_shard, from model.parameters().")
     if sharded and unaveraged and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         unaveraged = [p for p in unaveraged if p not in ddp_averaged()]
-    if sharded and unaveraged and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        shapes = [tuple(p.shape) for p in unaveraged[:6]]
-        raise fail(f"this {type(optimizer).__name__} steps on {len(unaveraged)} parameters that no unit manages "
-                   f"(shapes {shapes}) next to sharded ones: their gradients were not averaged across "
-                   f"ranks, so every rank would train its own copy of them",
-                   "Call fully_shard on the root module too, last (after its blocks), or use fullshard.shard_model, "
-                   "whose root is always a unit.")
+        if unaveraged:
+            shapes = [tuple(p.shape) for p in unaveraged[:6]]
+            raise fail(f"this {type(optimizer).__name__} steps on {len(unaveraged)} parameters that no unit manages "
+                       f"(shapes {shapes}) next to sharded ones: their gradients were not averaged across "
+                       f"ranks, so every rank would train its own copy of them",
+                       "Call fully_shard on the root module too, last (after its blocks), or use "
+                       "fullshard.shard_model, whose root is always a unit.")
 
 
 _DDP_AVERAGED = WeakIdKeyDictionary()  # parameters a DistributedDataParallel (e.g. replicate()'s) averages
@@ -401,7 +402,7 @@ def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims):
             raise fail(f"with dp_mesh_dims, parameter {o.fqn!r} must be a DTensor on the mesh passed, Replicate() "
                        f"on its data-parallel dims; it is {what}", "Distribute every parameter over the full mesh "
                        "first (distribute_tensor / distribute_module), or pass the data-parallel sub-mesh as mesh.")
-        local = p._local_tensor
+        local = local_values(p)
         if tp_name is not None:
             tp = mesh.mesh_dim_names.index(tp_name)
             local = DTensor.from_local(local, mesh[tp_name], [p.placements[tp]], run_check=False, shape=p.shape,
@@ -484,13 +485,11 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
     Args:
         modules: units (``FSDPModule``), as FSDP2 takes them.
     """
-    others = [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]
-    if others:
-        raise fail(f"share_comm_ctx was given modules that are not units: {others}",
-                   "Pass the model chunks after fully_shard (or shard_model).")
+    hooks_of(modules, "share_comm_ctx")
 
 
-def prefetch_targets(modules: list[nn.Module], what: str) -> list[UnitHooks]:
+def hooks_of(modules: list[nn.Module], what: str) -> list[UnitHooks]:
+    """The hooks of `modules`, which must all be units."""
     others = [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]
     if others:
         raise fail(f"{what} was given modules that are not units: {others}",
@@ -561,8 +560,8 @@ def owned_by(modules: list[nn.Module], exclude: Iterable[nn.Parameter]) -> list[
 
 
 def check_owned(what: str, owned: list[OwnedParam], group: ShardGroup) -> None:
-    """Refuse parameters that another unit manages, that cannot be communicated in one buffer,
-    or DTensors of a parallelism fullshard cannot shard further."""
+    """Refuse parameters that another unit manages, DTensors of a parallelism fullshard cannot
+    shard further, or parameters on several devices."""
     for o in owned:
         if o.param in _OWNER:
             raise fail(
@@ -611,7 +610,7 @@ def dp_groups(group: ShardGroup) -> list[torch.distributed.ProcessGroup | None]:
     parallelism, hold other parts)."""
     if group.mesh.size() == torch.distributed.get_world_size():
         return [None]
-    return [g for g in (group.shard_pg, group.replicate_pg) if g is not None]
+    return group.process_groups
 
 
 def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device: torch.device,
@@ -698,8 +697,9 @@ def fully_shard(
         shard_placement_fn: FSDP2's per-parameter placement: a function of each parameter
             returning ``Shard(d)`` to split it along dim d (a negative d counts from the
             last), or ``None`` for ``Shard(0)``.
-        mp_policy: a :class:`MixedPrecisionPolicy`.
-        offload_policy: a :class:`CPUOffloadPolicy`.
+        mp_policy: a :class:`MixedPrecisionPolicy` (torch's own is taken too).
+        offload_policy: a :class:`CPUOffloadPolicy`, or :class:`OffloadPolicy` for none
+            (torch's own are taken too).
         ignored_params: parameters under `module` that stay as they are: not sharded, not
             moved, their gradients not reduced.
         dp_mesh_dims: FSDP2's (torch 2.13) ``DataParallelMeshDims``: ``mesh`` is then the full
@@ -709,8 +709,8 @@ def fully_shard(
 
     Raises:
         FullShardError: before anything changes, when the module is already sharded, a
-            parameter belongs to another unit, the mesh does not fit the process group,
-            or the parameters are on different devices or of different dtypes.
+            parameter belongs to another unit, this rank is not in the mesh, ranks hold
+            different parameters, or the parameters are on different devices.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):

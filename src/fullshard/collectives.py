@@ -132,19 +132,22 @@ def barrier(timeout: timedelta, what: str) -> None:
 
 @dataclass(frozen=True)
 class Averaging:
-    """How a reduction over `summed_over` ranks becomes the average over dp_size (Note [averaging])."""
+    """How a reduction over `summed_over` ranks becomes the gradient divided by the divisor
+    (dp_size, or set_gradient_divide_factor's), Note [averaging]."""
 
     divide_first: bool  # divide the rows by the divisor before the sum
     op: dist.ReduceOp  # of the collectives
     divide_after: float  # what the result is still to be divided by
 
 
-def averaging(backend: str, dtype: torch.dtype, *, dp_size: int, summed_over: int, divide_by: float) -> Averaging:
+def averaging(backend: str, dtype: torch.dtype, *, dp_size: int, summed_over: int, divide_by: float,
+              force_sum: bool = False) -> Averaging:
     """Note [averaging] for a reduction over `summed_over` of the `dp_size` data-parallel ranks,
-    divided by `divide_by` (dp_size, or a factor set_gradient_divide_factor gave)."""
+    divided by `divide_by` (dp_size, or a factor set_gradient_divide_factor gave); `force_sum`:
+    sums only, never the backend's average (set_force_sum_reduction_for_comms)."""
     if dtype == torch.float16 and divide_by != 1:
         return Averaging(True, dist.ReduceOp.SUM, 1)
-    if backend == "nccl" and summed_over > 1 and divide_by == dp_size:  # gloo has no AVG
+    if backend == "nccl" and not force_sum and summed_over > 1 and divide_by == dp_size:  # gloo has no AVG
         return Averaging(False, dist.ReduceOp.AVG, dp_size // summed_over)
     return Averaging(False, dist.ReduceOp.SUM, divide_by)
 
@@ -377,8 +380,8 @@ def reduce_scatter_grads(
     group = shard_group or replicate_group
     backend = "gloo" if group is None or p2p else dist.get_backend(group)
     summed_over = world * (replicate_group.size() if replicate_group is not None else 1)
-    how = averaging("sum only" if force_sum else backend, dtype, dp_size=dp_size, summed_over=summed_over,
-                    divide_by=divide_by)
+    how = averaging(backend, dtype, dp_size=dp_size, summed_over=summed_over, divide_by=divide_by,
+                    force_sum=force_sum)
     op, divide_after = how.op, how.divide_after
     if how.divide_first:
         for rows in (sent, shard if own else None):

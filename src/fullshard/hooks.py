@@ -377,6 +377,7 @@ class UnitHooks:
         self.forward_targets: list[UnitHooks] | None = None  # explicit prefetch lists
         self.backward_targets: list[UnitHooks] | None = None
         self.shown: bool | None = None  # inside full_params: whether this rank sees the full parameters
+        self.members = frozenset(id(m) for m in unit.modules) if len(unit.modules) > 1 else frozenset()
         self.to_run: set[int] = set()  # a module group's members yet to run this forward (Note [module groups])
         for module in unit.modules:
             module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
@@ -413,7 +414,7 @@ class UnitHooks:
             return args, kwargs
         if self.phase is Phase.FORWARD and id(module) in self.to_run:  # Note [module groups]
             return args, kwargs
-        self.to_run = {id(m) for m in self.unit.modules} if len(self.unit.modules) > 1 else set()
+        self.to_run = set(self.members)
         if self.is_root:
             ctx.recover()
             ctx.start_forward()

@@ -37,6 +37,11 @@ class ShardGroup:
     replicated_placements: tuple[Placement, ...]  # for 0-d parameters
 
     @property
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """The groups a unit communicates over: its shard group and replicate group, where they exist."""
+        return [pg for pg in (self.shard_pg, self.replicate_pg) if pg is not None]
+
+    @property
     def dp_size(self) -> int:
         """Ranks that each compute on their own data: gradients are averaged over them."""
         return self.world * self.replicas

@@ -179,12 +179,22 @@ class ShardedParam:
         """The full parameter as forward sees it: a DTensor on the TP mesh over the gathered
         local part (Note [tensor parallel parameters]), on the full SPMD mesh (Note [SPMD
         meshes]), or the plain tensor."""
-        mesh, placements = (self.view[0].mesh, self.view[0].placements) if self.view else \
-            (self.tp_mesh, self.tp_placements)
+        mesh, placements = self.forward_layout()
         if mesh is None:
             return full_local
         return DTensor.from_local(full_local, mesh, placements, run_check=False,
                                   shape=self.global_shape, stride=self.global_stride)
+
+    def forward_layout(self) -> tuple[object, tuple]:
+        """The mesh and placements of the full parameter as forward sees it (None: a plain tensor)."""
+        return (self.view[0].mesh, tuple(self.view[0].placements)) if self.view else (self.tp_mesh, self.tp_placements)
+
+    def laid_out_as_shard(self, value: torch.Tensor) -> bool:
+        """Whether `value` is a DTensor laid out as the shard: the same placements over the same
+        ranks, whatever the mesh's dim names (a sharded state dict's value, this rank's rows)."""
+        return isinstance(value, DTensor) and value.device_mesh.device_type == self.mesh.device_type and \
+            torch.equal(value.device_mesh.mesh, self.mesh.mesh) and tuple(value.placements) == self.placements \
+            and value.shape == self.global_shape
 
     def whole(self, full_local: torch.Tensor) -> torch.Tensor:
         """A full value (of the parameter or its optimizer state) as a plain tensor of the
@@ -268,9 +278,7 @@ class ShardedParam:
         as the shard (a sharded state dict's) keeps its object, now over the unit's storage with
         its values, so an optimizer built from model.parameters() afterwards steps what forward
         uses; a tensor of the parameter's whole shape gives its rows to the shard, which stays."""
-        same = isinstance(new, DTensor) and new.device_mesh.device_type == self.mesh.device_type and \
-            torch.equal(new.device_mesh.mesh, self.mesh.mesh) and tuple(new.placements) == tuple(self.placements) \
-            and new.shape == self.global_shape  # the same layout over the same ranks, whatever the dim names
+        same = self.laid_out_as_shard(new)
         if not (same or not isinstance(new, DTensor) and new.shape == self.global_shape) or new.is_meta:
             what = (f"a DTensor placed {tuple(new.placements)} on {new.device_mesh}" if isinstance(new, DTensor)
                     else f"a tensor of shape {tuple(new.shape)}") + (" on the meta device" if new.is_meta else "")
@@ -279,8 +287,7 @@ class ShardedParam:
                        f"with values", "Load a state dict of the same sharding (model.state_dict() of a model "
                        "sharded alike) or of full tensors, or change values in place inside `with "
                        "fullshard.full_params(model):`.")
-        with torch.no_grad():
-            self.local_shard().copy_(self.rows(new.to_local()) if same else self.rows_of(new))
+        self.write_back(new)
         if same and isinstance(new, nn.Parameter):
             torch.utils.swap_tensors(new, nn.Parameter(self.as_dtensor(self.local_shard()),
                                                        requires_grad=new.requires_grad))
@@ -304,17 +311,21 @@ class ShardedParam:
         return full_padded[0] if self.replicated else self.unrows(full_padded[: self.shape[0]])
 
     def rows_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows (rows first) of a full value: a plain tensor of the parameter's
-        shape, or as forward sees the parameter (a DTensor on the TP mesh)."""
+        """This rank's rows (rows first) of a value: a plain tensor of the parameter's shape, a
+        DTensor as forward sees the parameter (on the TP or SPMD mesh) or any other DTensor of
+        it, or one laid out as the shard (already this rank's rows)."""
+        if self.laid_out_as_shard(full):
+            return self.rows(full.to_local())
         if isinstance(full, DTensor):
-            same = full.device_mesh == self.tp_mesh and tuple(full.placements) == self.tp_placements
+            mesh, placements = self.forward_layout()
+            same = full.device_mesh == mesh and tuple(full.placements) == placements
             full = full.to_local() if same else self.tp_part(full.full_tensor())
         elif self.tp_mesh is not None:
             full = self.tp_part(full)
         return full if self.replicated else self.rows(full)[self.first_row : self.first_row + self.local_shape[0]]
 
     def write_back(self, full: torch.Tensor) -> None:
-        """Copy this rank's rows of an edited full value (see rows_of) into the shard."""
+        """Copy this rank's rows of a value (see rows_of) into the shard."""
         with torch.no_grad():
             self.local_shard().copy_(self.rows_of(full))
 

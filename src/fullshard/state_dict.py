@@ -115,8 +115,7 @@ def full_model_state(model: nn.Module, *, cpu_offload: bool, keep: bool) -> dict
     entries = state_entries(model)
     full: dict[int, torch.Tensor] = {}
     for unit in units_of(model, "get_state_dict"):
-        for p, tensor in zip(unit.params, unit.gather_masters()):
-            tensor = p.whole(tensor)
+        for p, tensor in unit.gather_whole():
             if keep:
                 full[id(p)] = tensor.cpu() if cpu_offload else tensor
     if not keep:
@@ -234,11 +233,8 @@ def load_model_state(model: nn.Module, model_sd: Mapping[str, torch.Tensor]) -> 
             value = model_sd[name]
             if not isinstance(entry, ShardedParam):
                 value_of(entry).copy_(value.full_tensor() if isinstance(value, DTensor) else value)
-            elif isinstance(value, DTensor) and value.device_mesh == entry.mesh and \
-                    tuple(value.placements) == tuple(entry.placements):
-                entry.local_shard().copy_(entry.rows(value.to_local()))
             else:
-                entry.write_back(value.full_tensor() if isinstance(value, DTensor) else value)
+                entry.write_back(value)
     reshard_all(model)
 
 
@@ -287,9 +283,7 @@ def shard_like(param: nn.Parameter, sharded: ShardedParam | None, value: Any) ->
         return value
     if sharded is None or value.shape != param.shape or value.dim() == 0 and not sharded.replicated:
         return value.detach().clone()
-    if isinstance(value, DTensor):
-        if value.device_mesh == sharded.mesh and tuple(value.placements) == tuple(sharded.placements):
-            return value.detach().clone()
+    if isinstance(value, DTensor) and not sharded.laid_out_as_shard(value):
         value = full_value(value, compute_device(sharded.mesh.device_type))
     return sharded.as_dtensor(sharded.rows_of(value).detach().to(sharded.local_shard().device).clone())
 
@@ -695,8 +689,7 @@ def export(model: nn.Module, path: str | os.PathLike) -> None:
             for _, tensor in plain:
                 out.write(tensor_bytes(tensor))
         for unit in units:
-            for p, tensor in zip(unit.params, unit.gather_masters()):
-                tensor = p.whole(tensor)
+            for p, tensor in unit.gather_whole():
                 for _ in names_of[id(p)] if out else ():
                     out.write(tensor_bytes(tensor))
         if out:

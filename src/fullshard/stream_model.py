@@ -33,9 +33,10 @@ from datetime import timedelta
 from typing import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from fullshard.param import local_values
 
 SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 
@@ -99,7 +100,7 @@ class Tracking(TorchDispatchMode):
         out = func(*args, **kwargs)
         if model.copying or not model.host_storages:  # the common case, kept cheap
             return out
-        inputs = [local(t) for t in tensors_in(args, kwargs)]
+        inputs = [local_values(t) for t in tensors_in(args, kwargs)]
         host = [model.is_host(t) for t in inputs]
         if not any(host):
             return out
@@ -111,7 +112,7 @@ class Tracking(TorchDispatchMode):
             model.violations.append(f"{func.__name__} at {caller_site()} mixes host and device memory")
         known = {t.untyped_storage()._cdata for t in inputs}
         model.mark_host(*[t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
-                          and local(t).untyped_storage()._cdata not in known])
+                          and local_values(t).untyped_storage()._cdata not in known])
         return out
 
 
@@ -138,10 +139,6 @@ def tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
         elif isinstance(arg, (list, tuple)):
             out.extend(t for t in arg if isinstance(t, torch.Tensor))
     return out
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class StreamModel:
@@ -239,7 +236,7 @@ class StreamModel:
     # ---- buffers ---------------------------------------------------------------------------
 
     def buffer(self, tensor: torch.Tensor) -> Buffer:
-        tensor = local(tensor)
+        tensor = local_values(tensor)
         key = tensor.untyped_storage()._cdata
         if key not in self.buffers:
             self.buffers[key] = Buffer(tensor, caller_site())
@@ -288,10 +285,10 @@ class StreamModel:
         """These tensors live in host memory (a model built on the CPU, offloaded shards)."""
         for tensor in tensors:
             self.buffer(tensor).host = True
-            self.host_storages.add(local(tensor).untyped_storage()._cdata)
+            self.host_storages.add(local_values(tensor).untyped_storage()._cdata)
 
     def is_host(self, tensor: torch.Tensor) -> bool:
-        return local(tensor).untyped_storage()._cdata in self.host_storages
+        return local_values(tensor).untyped_storage()._cdata in self.host_storages
 
     def separate_memory(self, shard_device: torch.device, compute_device: torch.device, *, offloaded: bool) -> bool:
         """The model pretends to be a GPU: offloaded shards are host memory, never the full parameters."""

@@ -19,6 +19,7 @@ from fullshard.collectives import all_reduce_
 from fullshard.errors import fail, require
 from fullshard.hooks import Phase, unit_hooks, units_under
 from fullshard.mesh import counted_copy
+from fullshard.param import local_values
 from fullshard.stats import Stats
 from fullshard.runtime import CollectiveError
 from fullshard.unit import ShardState, Unit, unit_of
@@ -93,7 +94,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm_type = float(norm_type)
     rt = runtime.active
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # tied parameters once
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    locals_ = [local_values(g) for g in grads]
     counted = [t for g, t in zip(grads, locals_) if counts_once(g, root.group.mesh) and t.numel()]
     # CPU offload: gradients in host memory are summed on the host, the total goes to the
     # device, whose memory is all NCCL reads, and the coefficient comes back (a host sync)
@@ -229,7 +230,7 @@ class GradScaler(torch.amp.GradScaler):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                grad = local_values(param.grad)
                 if not allow_fp16 and grad.dtype == torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
                 grads[(grad.device, grad.dtype)].append(grad)

@@ -25,14 +25,16 @@ A training step moves every unit through the same cycle (hooks.py decides when):
 # Gradients cannot be summed as bytes: the unit reduce-scatters once per reduce dtype.
 
 Between steps every unit is SHARDED with no collective in flight: the modules hold
-the DTensor shards, which is all the optimizer sees. While FULL, the modules hold
-plain full parameters, views of one storage per unit that exists only while needed.
+the DTensor shards, which is all the optimizer sees. While FULL, the modules hold the
+full parameters (plain tensors, or DTensors on a tensor-parallel or SPMD mesh), views of
+one storage per unit that exists only while needed.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum, auto
@@ -60,7 +62,8 @@ class ShardState(Enum):
 
 @dataclass(frozen=True)
 class UnitConfig:
-    """Options resolved once at fully_shard time; the hot path reads only these."""
+    """Options resolved at fully_shard time (FSDP2's set_reshard_after_forward replaces them
+    later; its other setters change attributes of the Unit)."""
 
     free_after_forward: bool
     post_forward_world: int = 1  # >1: after forward keep 1/this of the unit, Note [smaller world after forward]
@@ -244,7 +247,7 @@ class Unit:
             return
         if self.pending is not None:  # a prefetch: replaced parameters drop what it gathered
             self.adopt_replaced()
-        self.unshard()  # adopts replaced parameters (once per gather) unless already gathering
+        self.unshard()  # adopts replaced parameters unless already gathering (a prefetch: scanned above)
         if self.full_flat is not None:
             start = time.perf_counter()
             with torch.profiler.record_function(f"fullshard::wait gather {self.fqn}"):
@@ -325,9 +328,8 @@ class Unit:
         """Debug checks: every rank is about to run the same collective (0: all-gather, 1: reduce-scatter,
         with `mask` a hash of which parameters have gradients) of the same unit at the same step."""
         mine = [self.index, kind, self.step, mask, self.evaluating]
-        for group in (self.group.shard_pg, self.group.replicate_pg):  # the ranks this unit communicates with
-            if group is not None:
-                self.compare_next(mine, group)
+        for group in self.group.process_groups:  # the ranks this unit communicates with
+            self.compare_next(mine, group)
 
     def compare_next(self, mine: list[int], group: dist.ProcessGroup) -> None:
         """check_agreement within one of the unit's groups."""
@@ -397,6 +399,12 @@ class Unit:
                                         "full parameters")
             fulls.update(zip(mine, values))
         return [fulls[i] for i in range(len(self.params))]
+
+    def gather_whole(self) -> Iterator[tuple[ShardedParam, torch.Tensor]]:
+        """Each parameter with its whole value (gather_masters, then gathered over TP, one
+        parameter at a time: Note [tensor parallel parameters])."""
+        for p, tensor in zip(self.params, self.gather_masters()):
+            yield p, p.whole(tensor)
 
     def gather_values(self, params: list[ShardedParam], shards: list[torch.Tensor], dtype: torch.dtype,
                       what: str) -> list[torch.Tensor]:
