@@ -87,10 +87,10 @@ def measure(**job) -> dict:
 MEMORY_TOL = 0.10
 
 
-# no_shard's and shard_grad_op's memory is in docs/planner.md's accuracy table at every
-# capability level (benchmarks/planner_accuracy.py); the suite keeps full_shard in both
-# precisions, at the 5-minute budget of `make test`
-@pytest.mark.parametrize("strategy, precision", [("full_shard", "fp32"), ("full_shard", "bf16")])
+# no_shard's and shard_grad_op's memory, and bf16's, are in docs/planner.md's accuracy table
+# at every capability level (benchmarks/planner_accuracy.py); the suite keeps full_shard in
+# fp32, at the 5-minute budget of `make test`
+@pytest.mark.parametrize("strategy, precision", [("full_shard", "fp32")])
 def test_prediction_matches_measurement(strategy, precision):
     got = measure(preset="small", strategy=strategy, precision=precision, batch=8)
     want = predicted("small", 2, strategy, precision, 8)
