@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 import fullshard
 from fullshard.gpt import Block
-from fullshard.state_dict import METADATA_GLOBALS
 from tests.models import tiny_gpt, token_batch
 from tests.reference import full_state, max_diff
 from tests.test_errors import raises
@@ -59,14 +58,24 @@ def text(s: str) -> bytes:
     return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
 
 
+# what the unpickler of the previous version admitted, (module, name), and what each BUILD
+# payload below tries to plant on it
+OLD_ALLOWLIST = [
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "Path"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("torch", "float32"),
+]
+
+
 def payloads(marker: Path) -> dict[str, bytes]:
     """Pickles that would run `touch marker` if the unpickler let them, one per trick, from
     every module the unpickler admits names of."""
     cmd = command(marker)
     out = {}
-    modules = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem", "torch",
-               "torch.serialization", "collections", "pathlib"}  # what DCP metadata names, whatever the list says
-    for module in sorted(modules | {module for module, _ in METADATA_GLOBALS}):
+    for module in sorted({module for module, _ in OLD_ALLOWLIST}):
         for name in ("os.system", "os", "sys", "__builtins__.exec"):
             # STACK_GLOBAL with a dotted name (protocol 4 resolves it attribute by attribute)
             out[f"STACK_GLOBAL {module}:{name}"] = (b"\x80\x04" + text(module) + text(name) + b"\x93" + text(cmd)
@@ -83,26 +92,36 @@ def payloads(marker: Path) -> dict[str, bytes]:
     return out
 
 
+def plain_copy(version: Path, plain: Path) -> Path:
+    """A plain DCP directory (what PyTorch writes: .metadata and data files, no fullshard.json)
+    with the tensors of a fullshard checkpoint version."""
+    plain.mkdir()
+    for file in version.iterdir():
+        if file.name == ".metadata" or file.suffix == ".distcp":
+            shutil.copy(file, plain / file.name)
+    return plain
+
+
 def planted_job(root: str) -> dict:
-    """Each payload, prepended to a real checkpoint's .metadata, is refused by load (on the
+    """Each payload, prepended to a plain DCP directory's .metadata, is refused by load (on the
     Python and torchrun side alike) and runs nothing; the model is untouched."""
     model, opt = trained()
     path = Path(root) / f"ckpt-{dist.get_rank()}"  # each rank its own (a one-rank world)
     fullshard.save(path, model, opt, step=1)
-    metadata = fullshard.checkpoint_dir(path) / ".metadata"
+    metadata = plain_copy(fullshard.checkpoint_dir(path), Path(root) / f"plain-{dist.get_rank()}") / ".metadata"
     real = metadata.read_bytes()
     marker = Path(root) / "ran"
     before = full_state(model)
     refused, ran = [], []
     for name, payload in payloads(marker).items():
         metadata.write_bytes(payload + real)
-        if "could not be read" in raises(lambda: fullshard.load(path, model, opt)):
+        if "could not be read" in raises(lambda: fullshard.load(metadata.parent, model, opt)):
             refused.append(name)
         if marker.exists():
             ran.append(name)
             marker.unlink()
     metadata.write_bytes(real)
-    fullshard.load(path, model, opt)  # the real one still loads
+    fullshard.load(metadata.parent, model, opt)  # the real one still loads
     return {"count": len(payloads(marker)), "refused": len(refused), "ran": ran,
             "changed": max_diff(full_state(model), before)}
 
@@ -163,14 +182,14 @@ def orphan_job(root: str) -> list[str]:
     first = fullshard.checkpoint_dir(path)
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.copytree(first, path / "v-orphan")  # complete, but LATEST names another version
+        shutil.copytree(first, path / "v-0123456789ab")  # complete, but LATEST names another version
     fullshard.save(path, model, opt, step=2)
     return sorted(p.name for p in path.iterdir())
 
 
 def test_a_version_orphaned_by_a_kill_is_collected_by_the_next_save(world2, tmp_path):
     for names in world2.run(orphan_job, root=str(tmp_path)):
-        assert len(names) == 2 and names[0] == "LATEST" and names[1].startswith("v-") and "v-orphan" not in names
+        assert len(names) == 2 and names[0] == "LATEST" and names[1].startswith("v-") and "v-0123456789ab" not in names
 
 
 def nonfinite_raise_job() -> dict:

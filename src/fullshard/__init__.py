@@ -4,8 +4,9 @@ from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_
 from fullshard.errors import FullShardError
 from fullshard.planner import Hardware, Plan, apply_plan, plan
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fullshard.state_dict import (checkpoint_dir, export, get_state_dict, init_weights_from, load, save,
-                                  set_state_dict)
+from fullshard.checkpoint import checkpoint_dir, load, save
+from fullshard.export import export
+from fullshard.state_dict import get_state_dict, init_weights_from, set_state_dict
 from fullshard.stats import Stats
 from fullshard.training import GradScaler, clip_grad_norm_, full_params, no_sync, stats
 from fullshard.wrap import shard_model

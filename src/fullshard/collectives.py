@@ -79,12 +79,18 @@ def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, t
 
 def all_gather_json(obj: object, *, device: torch.device, timeout: timedelta,
                     group: dist.ProcessGroup | None = None) -> list[object]:
-    """Every rank's `obj` (small, JSON-serializable), rank by rank, as JSON: nothing another
-    process sends is unpickled. Two all-gathers of integers (lengths, then bytes)."""
+    """Every rank's `obj` (JSON-serializable), rank by rank, as JSON: nothing another process
+    sends is unpickled. An all-gather of the lengths, then one of the bytes."""
+    rt = runtime.active
     mine = json.dumps(obj).encode()
     longest = max(n for (n,) in all_gather_ints([len(mine)], device=device, timeout=timeout, group=group))
-    everyone = all_gather_ints([*mine, *b"\0" * (longest - len(mine))], device=device, timeout=timeout, group=group)
-    return [json.loads(bytes(row).rstrip(b"\0")) for row in everyone]
+    sent = torch.zeros(longest, dtype=torch.uint8, device=device)  # [longest]
+    sent[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else sent[:0]
+    out = torch.empty(dist.get_world_size(group) * longest, dtype=torch.uint8, device=device)  # [world * longest]
+    works = rt.launched([_all_gather_single(out, sent, group=group, async_op=True)], reads=[sent], writes=[out])
+    wait_all(works, Caller(0, timeout, "an all-gather of JSON"), on_device=device.type == "cuda")
+    rows = out.view(-1, longest).cpu()
+    return [json.loads(bytes(row.numpy().tobytes()).rstrip(b"\0")) for row in rows]
 
 
 def all_reduce_(tensor: torch.Tensor, op: str, *, timeout: timedelta, what: str) -> None:

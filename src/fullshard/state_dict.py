@@ -1,58 +1,27 @@
-"""State dicts and checkpoints of sharded models, under the unwrapped model's names.
-
-# Note [checkpoint layout]: save(path) writes a new version directory path/v-<token>/: a
-# torch.distributed.checkpoint (DCP) directory holding the model's and the optimizer's
-# tensors (optimizer state in torch's name-keyed layout, so PyTorch's own FSDP loads it
-# with dcp.load), fullshard.json (step, extra) and, written last, COMPLETE. Then rank 0
-# atomically replaces path/LATEST, a one-line file naming the version. A crash at any
-# point leaves LATEST naming a complete version; every other version is removed after
-# the switch. fullshard.json also lists the CRC-32 and size of every data file. load(path)
-# reads the version LATEST names, or a plain DCP directory (e.g. written by PyTorch's
-# FSDP). Nothing in a checkpoint can run code: DCP's metadata is unpickled admitting only
-# DCP's own classes (Note [metadata unpickling]), non-tensor items (optimizer
-# hyperparameters) with torch.load(weights_only=True).
-#
-# Note [failed load]: a load that fails changes nothing. Before reading, every rank
-# checks the files the metadata names (present, long enough) and, for fullshard's own
-# checkpoints, their checksums (each rank a share of the files), and all ranks agree.
-# Then DCP reads into new buffers, which its own collective makes all-or-nothing across
-# ranks; only then are the optimizer's state and the model's shards replaced.
+"""State dicts of sharded models, under the unwrapped model's names: names <-> shards, full
+(gathered unit by unit) or sharded (DTensors), optimizer state keyed by parameter name.
+Checkpoints on disk are checkpoint.py's.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
-import secrets
-import shutil
-import struct
-import zlib
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from fullshard import runtime
-from fullshard.collectives import all_gather_ints, barrier
 from fullshard.errors import fail, require
 from fullshard.hooks import units_under
-from fullshard.mesh import compute_device, timed_group
+from fullshard.mesh import compute_device
 from fullshard.param import ShardedParam
-from fullshard.runtime import CollectiveError
 from fullshard.unit import Unit
 from fullshard.training import units_of
 
 Entry = ShardedParam | tuple[nn.Module, str]
-LATEST, COMPLETE, META = "LATEST", "COMPLETE", "fullshard.json"
 
 
 def state_entries(model: nn.Module) -> dict[str, Entry]:
@@ -96,8 +65,15 @@ def check_names_and_shapes(entries: Mapping[str, Entry], shapes: Mapping[str, to
 
 
 def reshard_all(model: nn.Module) -> None:
-    """Between steps every unit is sharded; one kept full would hold stale or unsaved values."""
-    for unit in units_of(model, "state dicts"):
+    """Between steps every unit is sharded; one kept full would hold stale or unsaved values.
+    A gather still in flight (unshard(async_op=True) not yet waited for) is refused first."""
+    units = units_of(model, "state dicts")
+    pending = [unit.fqn or type(unit.module).__name__ for unit in units if unit.pending is not None]
+    if pending:
+        raise fail(f"units {pending} have an unshard(async_op=True) in flight, which state dicts, save and load "
+                   f"cannot run beside", "Call handle.wait() on what unshard(async_op=True) returned (or "
+                   "model.reshard()) first.")
+    for unit in units:
         unit.reshard()
         unit.adopt_replaced()
 
@@ -158,6 +134,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *
     if optimizer is None:
         return {}
     names = param_names(model)
+    check_steps_model(names, optimizer)
     owners = {p.sharded: (unit, p) for unit in units_of(model, "get_state_dict") for p in unit.params}
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
@@ -176,6 +153,17 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
               for group in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
+
+
+def check_steps_model(names: Mapping[nn.Parameter, str], optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that steps parameters the model does not have (most often one built
+    before sharding replaced them)."""
+    foreign = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if p not in names]
+    if foreign:
+        raise fail(f"the optimizer steps {len(foreign)} parameters that are not the model's (shapes "
+                   f"{foreign[:5]}{' ...' if len(foreign) > 5 else ''}): it was built before shard_model / "
+                   f"fully_shard replaced them, or for another model", "Build the optimizer after sharding, "
+                   "from model.parameters() of the sharded model.")
 
 
 def check_optimizer(optimizer: object) -> None:
@@ -222,6 +210,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
 def load_model_state(model: nn.Module, model_sd: Mapping[str, torch.Tensor]) -> None:
     """Copy full or sharded tensors into the shards (each rank its own rows) and buffers."""
+    reshard_all(model)
     entries = state_entries(model)
     check_names_and_shapes(entries, {k: v.shape for k, v in model_sd.items()}, "state dict")
     done: set[int] = set()
@@ -341,274 +330,6 @@ def init_weights_from(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) 
     load_model_state(model, state_dict)
 
 
-# ---- checkpoints ------------------------------------------------------------------------------
-
-
-class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, unpickling non-tensor items with weights_only=True (no arbitrary objects)."""
-
-    def load_bytes(self, read_item, value) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-# Note [metadata unpickling]: DCP's .metadata is a pickle; a plain DCP directory (e.g. one
-# written by PyTorch's FSDP) has nothing else, so load must read it. Its unpickler admits
-# exactly these (module, name) pairs, the classes and helpers DCP's metadata is made of,
-# and nothing else: no other name of those modules (they import os, sys, ...), no dotted
-# name (protocol 4 would look "os.system" up in an admitted module), no builtins. Each
-# admitted callable only builds a plain value (a dataclass, a path, a size, a dtype).
-METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    *(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)),
-}
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in METADATA_GLOBALS:  # Note [metadata unpickling]
-            raise pickle.UnpicklingError(f"{module}.{name} has no place in checkpoint metadata")
-        return super().find_class(module, name)
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, whose metadata unpickling cannot run code from the file."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def unreadable(directory: Path, error: Exception) -> Exception:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return fail(f"checkpoint {directory} could not be read ({type(error).__name__}: {first[:300]}): a file is "
-                f"corrupted, truncated or not a checkpoint's",
-                "Load another checkpoint; each save is a directory of its own, so the others are unaffected.")
-
-
-def checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The DCP directory of the latest complete checkpoint at `path` (for dcp.load).
-
-    Raises:
-        FullShardError: when `path` holds no complete checkpoint.
-    """
-    path = Path(path)
-    if (path / LATEST).is_file():
-        version = path / (path / LATEST).read_text().strip()
-        if not (version / COMPLETE).is_file():
-            raise fail(f"checkpoint {path} names version {version.name}, which is incomplete",
-                       "Its save was interrupted; load an earlier checkpoint or save again.")
-        return version
-    if (path / ".metadata").is_file():
-        return path  # a plain DCP directory, e.g. written by PyTorch's FSDP
-    raise fail(f"{path} is not a checkpoint (no {LATEST} file and no DCP .metadata)",
-               "Pass the directory given to fullshard.save (or a torch.distributed.checkpoint directory).")
-
-
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         step: int | None = None, extra: Any = None) -> None:
-    """Save a sharded checkpoint (every rank writes its shards), atomically.
-
-    Loads at any world size and under any strategy. A crash at any point leaves the
-    previous checkpoint at `path` complete; saving to the same path again replaces it.
-    See Note [checkpoint layout].
-
-    Args:
-        path: a directory (created if missing), on storage every rank can reach.
-        model: the sharded model, between training steps (every rank must call this).
-        optimizer: its optimizer, or None.
-        step: the training step, returned by ``load``.
-        extra: JSON-serializable user metadata (numbers, strings, lists, dicts), returned
-            by ``load``.
-
-    Raises:
-        FullShardError: before anything is written, when ``extra`` is not JSON-serializable.
-    """
-    check_path(path, "save")
-    check_optimizer(optimizer)
-    require(step is None or isinstance(step, int), f"save(step={step!r}) must be an int or None", "Pass step=1000.")
-    meta = {"format": 1, "step": step, "extra": extra}
-    try:
-        json.dumps(meta)  # refused now, before anything is written
-    except (TypeError, ValueError) as e:
-        raise fail(f"extra={extra!r} cannot be saved: {e}",
-                   "Pass JSON-serializable values (numbers, strings, lists, dicts); checkpoints never "
-                   "pickle arbitrary objects.") from None
-    path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
-    timeout = units_of(model, "save")[0].timeout
-    token = every_rank(f"the start of the save to {path}", timeout, [secrets.randbits(48)])[0][0]  # rank 0's name
-    version = path / f"v-{token:012x}"
-    if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        for stale in path.glob("v-*"):  # versions of saves that never finished
-            if not (stale / COMPLETE).is_file():
-                shutil.rmtree(stale, ignore_errors=True)
-    checkpoint_barrier(timeout, f"save to {version}")
-    state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(version), process_group=timed_group(timeout))
-    checkpoint_barrier(timeout, f"save to {version}")
-    files = file_checksums(version, timeout)
-    if dist.get_rank() == 0:
-        write_durably(version / META, json.dumps({**meta, "files": files}))
-        write_durably(version / COMPLETE, "")
-        write_durably(path / LATEST, version.name)  # the switch: atomic
-        for old in path.glob("v-*"):  # the previous version, and any a kill left between switch and removal
-            if old.name != version.name:
-                shutil.rmtree(old, ignore_errors=True)
-    checkpoint_barrier(timeout, f"save to {version}")
-
-
-def checkpoint_barrier(timeout: timedelta, what: str) -> None:
-    try:
-        barrier(timeout, f"the barrier of the {what}")
-    except CollectiveError as e:
-        raise not_every_rank(str(e)) from None
-
-
-def every_rank(what: str, timeout: timedelta, values: list[int]) -> list[list[int]]:
-    """Every rank's `values` (all_gather_ints on the group with the checkpoint's deadline)."""
-    try:
-        return all_gather_ints(values, device=torch.device("cpu"), timeout=timeout, group=timed_group(timeout))
-    except CollectiveError as e:
-        raise not_every_rank(f"{what} did not finish ({e})") from None
-
-
-def not_every_rank(what: str) -> Exception:
-    return fail(f"rank {dist.get_rank()}: {what}",
-                "Every rank must make the same call (save, load, state dict); another rank did not, or died. "
-                "Restart the job (fullshard train --max-restarts N resumes from the last checkpoint).")
-
-
-def file_checksums(directory: Path, timeout: timedelta) -> dict[str, list[int]]:
-    """{data file: [CRC-32, size]} of a DCP directory; each rank reads a share of the files."""
-    names = sorted(f.name for f in directory.glob("*.distcp"))
-    mine = [0, 0] * len(names)
-    for i in range(dist.get_rank(), len(names), dist.get_world_size()):
-        mine[2 * i : 2 * i + 2] = [crc32_of(directory / names[i]), (directory / names[i]).stat().st_size]
-    everyone = every_rank(f"the checksums of {directory}", timeout, mine)
-    return {name: [sum(r[2 * i] for r in everyone), sum(r[2 * i + 1] for r in everyone)]
-            for i, name in enumerate(names)}
-
-
-def crc32_of(file: Path) -> int:
-    crc = 0
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def write_durably(path: Path, text: str) -> None:
-    """Write a file by atomic replacement, flushed to disk with its directory entry."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a checkpoint written by ``save`` (at any world size, under any strategy) or a
-    plain DCP directory with "model" (and "optim") entries.
-
-    Args:
-        path: the directory given to ``save``.
-        model: the sharded model to load into (every rank must call this).
-        optimizer: its optimizer, or None to load the model only.
-
-    Returns:
-        ``{"step": ..., "extra": ...}`` as saved (``None`` for a plain DCP directory).
-
-    Raises:
-        FullShardError: before anything is loaded, when `path` is not a (complete)
-            checkpoint or its names or shapes do not fit the model (all listed).
-    """
-    check_path(path, "load")
-    check_optimizer(optimizer)
-    directory = checkpoint_dir(path)
-    reader = SafeReader(directory)
-    try:
-        metadata = reader.read_metadata()
-        saved = metadata.state_dict_metadata
-        meta_file = directory / META
-        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-        needed = bytes_needed(metadata)
-    except (OSError, EOFError, ValueError, AttributeError, TypeError, pickle.UnpicklingError) as e:
-        raise unreadable(directory, e) from None
-    shapes = {k[len("model."):]: getattr(v, "size", ()) for k, v in saved.items() if k.startswith("model.")}
-    entries = state_entries(model)
-    check_names_and_shapes(entries, shapes, "checkpoint")
-    timeout = units_of(model, "load")[0].timeout
-    check_files(directory, needed, meta.get("files", {}), timeout)
-    reshard_all(model)
-    fresh: dict[int, torch.Tensor] = {}  # Note [failed load]: DCP reads into these, one per tied entry
-    model_sd = {name: fresh.setdefault(id(entry), new_like(value_of(entry)))
-                for name, entry in entries.items() if name in shapes}
-    state: dict[str, Any] = {"model": model_sd}
-    with_optimizer = optimizer is not None and any(k.startswith("optim.state.") for k in saved)
-    if with_optimizer:
-        state["optim"] = optimizer_template(model, optimizer, saved)
-    try:
-        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), process_group=timed_group(timeout))
-    except (Exception, CheckpointException) as e:  # DCP gathers every rank's read failure, raised on all
-        raise unreadable(directory, e) from None
-    if with_optimizer:
-        load_optimizer_state(model, optimizer, state["optim"])  # checks it fits, then replaces it at once
-    load_model_state(model, model_sd)
-    return {"step": meta.get("step"), "extra": meta.get("extra")}
-
-
-def bytes_needed(metadata: Metadata) -> dict[str, int]:
-    """{data file: how many of its bytes the metadata reads}."""
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    return needed
-
-
-def check_files(directory: Path, needed: Mapping[str, int], listed: Mapping[str, list[int]], timeout: timedelta) -> None:
-    """Note [failed load]: refuse, on every rank and before anything is read, a checkpoint whose
-    data files are missing, shorter than the metadata says, of another size than saved, or
-    (each rank checking a share) whose CRC-32 differs from the one saved."""
-    names = sorted(set(needed) | set(listed))
-    bad = [0] * len(names)  # 1: missing or of the wrong size, 2: checksum
-    for i, name in enumerate(names):
-        file = directory / name
-        size = file.stat().st_size if file.is_file() else -1
-        if size < needed.get(name, 0) or (name in listed and size != listed[name][1]):
-            bad[i] = 1
-        elif name in listed and i % dist.get_world_size() == dist.get_rank() and crc32_of(file) != listed[name][0]:
-            bad[i] = 2
-    everyone = every_rank(f"the check of {directory}", timeout, bad)
-    problems = [f"{name}: {'missing, truncated or resized' if max(r[i] for r in everyone) == 1 else 'checksum differs'}"
-                for i, name in enumerate(names) if any(r[i] for r in everyone)]
-    if problems:
-        raise fail(f"checkpoint {directory} is damaged ({'; '.join(problems)}); nothing was loaded",
-                   "Load another checkpoint; each save is a directory of its own, so the others are unaffected.")
-
-
 def new_like(value: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor laid out as `value` (a DTensor: on the same mesh, placements and rows)."""
     if isinstance(value, DTensor):
@@ -617,10 +338,11 @@ def new_like(value: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(value)
 
 
-def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> dict:
-    """New buffers for the optimizer state a checkpoint holds (Note [failed load]), laid out as
-    this optimizer would hold it, read from the checkpoint's metadata: the optimizer itself
-    is not touched."""
+def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       saved: Mapping[str, tuple[torch.dtype, tuple[int, ...]] | None]) -> dict:
+    """New buffers for the optimizer state a checkpoint holds (`saved`: each flattened item's
+    dtype and shape, None for a non-tensor), laid out as this optimizer would hold it; the
+    optimizer itself is not touched."""
     names = param_names(model)
     sharded = {p.sharded: p for unit in units_under(model) for p in unit.params}
     by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
@@ -640,73 +362,12 @@ def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer, saved
 
 
 def state_buffer(item: Any, param: nn.Parameter, sharded: ShardedParam | None) -> torch.Tensor | None:
-    """A new buffer for one saved optimizer state value: its shard when it has the parameter's
-    shape (as shard_like lays it out), else a plain tensor; None for a non-tensor value."""
-    if not isinstance(item, TensorStorageMetadata):
+    """A new buffer for one saved optimizer state value (a tensor's dtype and shape, None for a
+    non-tensor): its shard when it has the parameter's shape (as shard_like lays it out), else a
+    plain tensor."""
+    if item is None:
         return None
-    size, dtype = tuple(item.size), item.properties.dtype
+    dtype, size = item
     if sharded is not None and size == tuple(param.shape) and (size or sharded.replicated):
         return sharded.as_dtensor(torch.empty(sharded.local_shape, dtype=dtype, device=sharded.local_shard().device))
     return torch.empty(size, dtype=dtype)
-
-
-def export(model: nn.Module, path: str | os.PathLike) -> None:
-    """Write the full weights (the unwrapped model's state dict) as one safetensors file.
-
-    Every rank takes part in gathering, unit by unit; rank 0 streams each unit's tensors
-    to the file as they come, so no rank holds more than one unit's full parameters. The
-    file loads with plain ``safetensors.torch.load_file`` and ``model.load_state_dict``.
-
-    Args:
-        model: the sharded model.
-        path: the file to write (rank 0); replaced atomically.
-    """
-    check_path(path, "export")
-    reshard_all(model)
-    entries = state_entries(model)
-    units = units_of(model, "export")
-    names_of: dict[int, list[str]] = {}
-    for name, entry in entries.items():
-        names_of.setdefault(id(entry), []).append(name)
-    # tensors in the order they become available: buffers and unmanaged parameters, then unit by unit
-    plain = [(name, value_of(entry).detach()) for name, entry in entries.items() if not isinstance(entry, ShardedParam)]
-    gathered = [(name, p) for unit in units for p in unit.params for name in names_of[id(p)]]
-    header, offset = {}, 0
-    for name, value in plain + [(name, p.sharded) for name, p in gathered]:
-        nbytes = value.numel() * value.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[value.dtype], "shape": list(value.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    rank0 = dist.get_rank() == 0
-    out = open(tmp, "wb") if rank0 else None
-    try:
-        if out:
-            out.write(struct.pack("<Q", len(blob)) + blob)
-            for _, tensor in plain:
-                out.write(tensor_bytes(tensor))
-        for unit in units:
-            for p, tensor in unit.gather_whole():
-                for _ in names_of[id(p)] if out else ():
-                    out.write(tensor_bytes(tensor))
-        if out:
-            out.flush()
-            os.fsync(out.fileno())
-    finally:
-        if out:
-            out.close()
-    if rank0:
-        os.replace(tmp, path)
-    checkpoint_barrier(units[0].timeout, f"export to {path}")
-
-
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                      torch.bool: "BOOL"}

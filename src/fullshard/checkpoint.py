@@ -1,0 +1,583 @@
+"""Checkpoints: save and load, versioned and atomic, in torch.distributed.checkpoint's format.
+
+# Note [checkpoint layout]: save(path) writes a new version directory path/v-<12 hex>/:
+# every rank its own data file __<rank>_0.distcp of torch.save records (its chunks of the
+# sharded state: a DTensor's local part once per set of replicas, every other value by
+# the lowest rank holding it), then rank 0 DCP's .metadata (so dcp.load and PyTorch's FSDP
+# read it), fullshard.json (Note [manifest]: everything load reads, with each file's size
+# and CRC-32) and, last, COMPLETE. Then rank 0 atomically replaces path/LATEST, a line
+# naming the version, and removes the other versions. A crash at any point leaves LATEST
+# naming a complete version. load(path) reads the version LATEST names through its
+# fullshard.json alone, or a plain DCP directory (one PyTorch wrote) through its
+# .metadata read as data (Note [pickles as data]); it unpickles nothing, and every file
+# it opens is one of the directory's own (Note [confined files]).
+#
+# Note [checkpoint phases]: every phase of a save or load ends in `agree`, one all-gather
+# of every rank's outcome (an error message or what the phase found) within the model's
+# timeout. So a failure on any rank (a full disk, a read-only directory, a damaged file)
+# becomes the same FullShardError on every rank at the same point, and a rank that stopped
+# or died is named by the phase its peers were in when they gave up on it. A save that
+# fails leaves LATEST as it was (rank 0 removes the new version); a load that fails has
+# changed nothing.
+#
+# Note [failed load]: a load that fails changes nothing. Before reading tensors, every
+# rank checks that the checkpoint fits the model and optimizer, that the files the records
+# name are there and long enough, and (fullshard's own checkpoints) the CRC-32 of a share
+# of the files. Then each rank reads its part into new buffers; only when every rank has
+# read all of its part are the optimizer's state and the model's shards replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fullshard import dcp_format, manifest
+from fullshard.collectives import all_gather_json
+from fullshard.errors import FullShardError, fail, require
+from fullshard.files import Folder, Overdue, View
+from fullshard.manifest import MAX_INT, Chunk, Contents, SavedTensor
+from fullshard.mesh import timed_group
+from fullshard.runtime import CollectiveError
+from fullshard.state_dict import (check_names_and_shapes, check_optimizer, check_path, get_state_dict,
+                                  load_model_state, load_optimizer_state, new_like, optimizer_template, reshard_all,
+                                  state_entries, value_of)
+from fullshard.training import units_of
+
+LATEST, COMPLETE, MANIFEST, METADATA = "LATEST", "COMPLETE", "fullshard.json", ".metadata"
+VERSION = re.compile(r"v-[0-9a-f]{12}")
+MAX_MANIFEST = 1 << 30
+DAMAGED_FIX = "Load another checkpoint; each save is a directory of its own, so the others are unaffected."
+
+
+# ---- agreeing on each phase ---------------------------------------------------------------------
+
+
+class Outcome:
+    """What every rank reported at the end of a phase (Note [checkpoint phases])."""
+
+    def __init__(self, reports: list[dict]) -> None:
+        self.reports = reports
+
+    def first_error(self) -> tuple[int, str] | None:
+        return next(((r, report["error"]) for r, report in enumerate(self.reports) if report.get("error")), None)
+
+
+def agree(what: str, phase: str, timeout: timedelta, report: dict, *, nothing_changed: str) -> Outcome:
+    """Every rank's `report` for `phase`; a FullShardError on every rank when any reported an error
+    or one did not take part within `timeout`."""
+    try:
+        outcome = Outcome(all_gather_json(report, device=torch.device("cpu"), timeout=timeout,
+                                          group=timed_group(timeout)))
+    except CollectiveError as e:
+        raise fail(f"rank {dist.get_rank()}: {what} stopped while {phase}: another rank did not take part within "
+                   f"{timeout.total_seconds():g} s (it stopped, died or made another call; {str(e)[:200]}); "
+                   f"{nothing_changed}",
+                   "Every rank must make the same call. Restart the job (fullshard train --max-restarts N resumes "
+                   "from the last checkpoint).") from None
+    failed = outcome.first_error()
+    if failed is not None:
+        rank, message = failed
+        raise FullShardError(message if rank == dist.get_rank() else f"rank {rank}: {message}")
+    return outcome
+
+
+def os_problem(error: OSError) -> str:
+    """An OSError in words: what the system said, and about which file."""
+    file = f": {error.filename}" if error.filename else ""
+    return f"{error.strerror or error}{file}"
+
+
+# ---- save -----------------------------------------------------------------------------------------
+
+
+def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         step: int | None = None, extra: Any = None) -> None:
+    """Save a sharded checkpoint (every rank writes its shards), atomically.
+
+    Loads at any world size and under any strategy, with fullshard or with
+    ``torch.distributed.checkpoint.load``. A crash or failure at any point leaves the
+    previous checkpoint at `path` as it was; saving to the same path again replaces it.
+    See Note [checkpoint layout].
+
+    Args:
+        path: a directory (created if missing), on storage every rank can reach.
+        model: the sharded model, between training steps (every rank must call this).
+        optimizer: its optimizer, or None.
+        step: the training step (a non-negative int), returned by ``load``.
+        extra: JSON-serializable user metadata (numbers, strings, lists, dicts), returned
+            by ``load``.
+
+    Raises:
+        FullShardError: before anything is written, on bad arguments; on every rank, with the
+            previous checkpoint kept, when any rank cannot write (a full or read-only disk)
+            or stops taking part.
+    """
+    check_path(path, "save")
+    check_optimizer(optimizer)
+    require(step is None or type(step) is int and 0 <= step <= MAX_INT,
+            f"save(step={step!r}) must be a non-negative int or None", "Pass step=1000.")
+    check_json(extra, f"extra={extra!r}"[:200])
+    model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
+    flat, mapping = flatten_state_dict({"model": model_sd, "optim": optim_sd} if optimizer is not None
+                                       else {"model": model_sd})
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            check_json(value, f"the optimizer's {key[len('optim.'):]} ({type(value).__name__})")
+    timeout = units_of(model, "save")[0].timeout
+    path = Path(path)
+    what = f"the save to {path}"
+    kept = f"the previous checkpoint at {path} is unchanged"
+    rank = dist.get_rank()
+    # phase 1: rank 0 makes the version directory; every rank says which plain values it holds
+    token, error = secrets.token_hex(6), None
+    if rank == 0:
+        try:
+            prepare(path, f"v-{token}")
+        except OSError as e:
+            error = f"{what} could not create its directory ({os_problem(e)})"
+    plain = sorted(key for key, value in flat.items() if not isinstance(value, DTensor))
+    start = agree(what, "creating its version directory", timeout, {"error": error, "token": token, "plain": plain},
+                  nothing_changed=kept)
+    version = f"v-{start.reports[0]['token']}"
+    owners: dict[str, int] = {}
+    for r, report in reversed(list(enumerate(start.reports))):
+        owners.update(dict.fromkeys(report["plain"], r))
+    # phase 2: every rank writes its records
+    written, error = {}, None
+    try:
+        with Folder.open(path) as root, root.sub(version) as folder:
+            written = write_records(folder, flat, mapping, owners, rank)
+    except OSError as e:
+        error = f"{what} could not write this rank's shards ({os_problem(e)})"
+    try:
+        wrote = agree(what, "writing the shards", timeout, {"error": error, **written}, nothing_changed=kept)
+    except FullShardError as e:
+        abandon(path, version, rank)
+        raise with_fix(e, f"Free space on, or give write access to, the checkpoint's disk, or save to another path; "
+                          f"{kept}.") from None
+    # phase 3: rank 0 writes the manifest and the metadata, then switches LATEST
+    error = None
+    if rank == 0:
+        try:
+            commit(path, version, wrote.reports, optimizer, step, extra)
+        except OSError as e:
+            error = f"{what} could not write its metadata or switch LATEST ({os_problem(e)})"
+            abandon(path, version, rank)
+    try:
+        agree(what, "switching LATEST to the new version", timeout, {"error": error}, nothing_changed=kept)
+    except FullShardError as e:
+        raise with_fix(e, f"Free space on, or give write access to, the checkpoint's disk, or save to another path; "
+                          f"{kept}.") from None
+
+
+def check_json(value: Any, what: str) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise fail(f"{what} cannot be saved: {e}", "Pass JSON-serializable values (numbers, strings, lists, "
+                   "dicts); checkpoints never pickle arbitrary objects.") from None
+
+
+def with_fix(error: FullShardError, fix: str) -> FullShardError:
+    """A phase's error, with what to do about a failed write (a peer's loss says its own)."""
+    message = str(error)
+    return error if "another rank did not take part" in message else FullShardError(f"{message}. {fix}")
+
+
+def prepare(path: Path, version: str) -> None:
+    """Rank 0: the checkpoint directory, cleared of versions whose save never finished, and the new version's."""
+    with Folder.open(path, create=True) as root:
+        for entry in root.entries():
+            if VERSION.fullmatch(entry) and root.kind(entry) == "dir":
+                with root.sub(entry) as old:
+                    complete = old.kind(COMPLETE) == "file"
+                if not complete:
+                    root.remove_tree(entry)
+        root.sub(version, create=True).close()
+
+
+def abandon(path: Path, version: str, rank: int) -> None:
+    """Rank 0: remove the version of a save that failed (best effort: the next save collects it too)."""
+    if rank == 0:
+        try:
+            with Folder.open(path) as root:
+                root.remove_tree(version)
+        except OSError:
+            pass
+
+
+def saved_here(value: Any, owner: int | None, rank: int) -> bool:
+    """Whether this rank writes `value` (Note [checkpoint layout]): a DTensor's local part once per
+    set of replicas, anything else by its owner (the lowest rank holding it)."""
+    if not isinstance(value, DTensor):
+        return owner == rank
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not in its mesh
+        return False
+    if value.to_local().numel() == 0 and value.numel() > 0:
+        return False
+    return all(c == 0 for c, p in zip(coordinate, value.placements) if isinstance(p, Replicate))
+
+
+def piece(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(this rank's values, their offsets and sizes in the whole tensor)."""
+    if not isinstance(value, DTensor):
+        return value, (0,) * value.dim(), tuple(value.shape)
+    sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return value.to_local(), tuple(offsets), tuple(sizes)
+
+
+def write_records(folder: Folder, flat: dict[str, Any], mapping: dict[str, tuple], owners: dict[str, int],
+                  rank: int) -> dict:
+    """This rank's data file, with the records it owns; what it wrote, for the manifest."""
+    mine = [(key, value) for key, value in flat.items() if saved_here(value, owners.get(key), rank)]
+    if not mine:
+        return {"file": None, "tensors": {}, "values": {}, "paths": {}}
+    file = f"__{rank}_0.distcp"
+    tensors: dict[str, dict] = {}
+    values: dict[str, list] = {}
+    with folder.create(file) as out:
+        for key, value in mine:
+            begin = out.tell()
+            if isinstance(value, torch.Tensor):
+                local, offsets, sizes = piece(value)
+                torch.save(local.detach().cpu(), out)
+                layout = dcp_format.record_layout(View(out.fd, begin, out.tell() - begin, math.inf), local.dtype,
+                                                  sizes)
+                tensors[key] = {"dtype": manifest.dtype_name(value.dtype), "shape": list(value.shape),
+                                "chunk": [list(offsets), list(sizes), begin, out.tell() - begin, layout.data_offset,
+                                          layout.storage_numel, layout.storage_offset, list(layout.stride)]}
+            else:
+                torch.save(value, out)
+                values[key] = [begin, out.tell() - begin, value]
+        out.commit()
+    return {"file": [file, out.size, out.crc], "tensors": tensors, "values": values,
+            "paths": {key: list(mapping[key]) for key, _ in mine}}
+
+
+def commit(path: Path, version: str, reports: list[dict], optimizer: torch.optim.Optimizer | None,
+           step: int | None, extra: Any) -> None:
+    """Rank 0: the manifest and DCP's metadata from every rank's records, COMPLETE, then LATEST."""
+    contents = Contents(step=step, extra=extra, fullshard=True,
+                        optimizer=type(optimizer).__name__ if optimizer is not None else None)
+    kinds: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    chunks: dict[str, list[Chunk]] = {}
+    paths: dict[str, tuple] = {}
+    for report in reports:
+        if report["file"] is None:
+            continue
+        file, size, crc = report["file"]
+        contents.files[file] = (size, crc)
+        for key, entry in report["tensors"].items():
+            offsets, sizes, begin, length, data_offset, numel, storage_offset, stride = entry["chunk"]
+            layout = manifest.Layout(data_offset, numel, storage_offset, tuple(stride))
+            chunks.setdefault(key, []).append(Chunk(tuple(offsets), tuple(sizes), file, begin, length, layout))
+            kinds[key] = (manifest.DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        for key, (begin, length, value) in report["values"].items():
+            contents.values[key] = manifest.SavedValue(value, file, begin, length)
+        paths.update({key: tuple(p) for key, p in report["paths"].items()})
+    contents.tensors = {key: SavedTensor(*kinds[key], tuple(sorted(chunks[key], key=lambda c: c.offsets)))
+                        for key in kinds}
+    with Folder.open(path) as root:
+        with root.sub(version) as folder:
+            folder.write_durably(METADATA, dcp_format.metadata_bytes(contents, paths, str(path / version), version))
+            folder.write_durably(MANIFEST, manifest.to_json(contents).encode())
+            folder.write_durably(COMPLETE, b"")
+        root.write_durably(LATEST, version.encode())  # the switch: atomic
+        for entry in root.entries():  # the previous version, and any a kill left between switch and removal
+            if VERSION.fullmatch(entry) and entry != version:
+                root.remove_tree(entry)
+
+
+# ---- load -----------------------------------------------------------------------------------------
+
+
+def open_version(path: Path, deadline: float) -> tuple[Folder, Contents]:
+    """The directory a load reads and what it holds: the version LATEST names (through its
+    fullshard.json), or a plain DCP directory (its .metadata, read as data)."""
+    try:
+        root = Folder.open(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise not_a_checkpoint(path) from None
+    if root.kind(LATEST) is None:
+        try:
+            return root, plain_contents(root, path, deadline)
+        except BaseException:
+            root.close()
+            raise
+    try:
+        folder = root.sub(latest_version(root, path, deadline))
+    finally:
+        root.close()
+    try:
+        if folder.kind(COMPLETE) != "file":
+            raise fail(f"checkpoint {path} names version {folder.path.name}, which is incomplete",
+                       "Its save was interrupted; load an earlier checkpoint or save again.")
+        if folder.kind(MANIFEST) != "file":
+            raise fail(f"checkpoint {path}: version {folder.path.name} has no {MANIFEST}, which lists what it holds "
+                       f"and the checksums of its files", DAMAGED_FIX)
+        text = folder.read(MANIFEST, MAX_MANIFEST, deadline).decode("utf-8", "replace")
+        return folder, manifest.read(text, f"{folder.path / MANIFEST}")
+    except BaseException:
+        folder.close()
+        raise
+
+
+def plain_contents(root: Folder, path: Path, deadline: float) -> Contents:
+    """What a plain DCP directory holds, from its .metadata read as data."""
+    if root.kind(METADATA) != "file":
+        raise not_a_checkpoint(path)
+    try:
+        return dcp_format.read_metadata(root.read(METADATA, MAX_MANIFEST, deadline), f"{path}")
+    except dcp_format.FormatError as e:
+        raise fail(f"checkpoint {path} could not be read: its {METADATA} is not DCP metadata fullshard reads ({e})",
+                   DAMAGED_FIX) from None
+
+
+def latest_version(root: Folder, path: Path, deadline: float) -> str:
+    """The version directory LATEST names, checked to be one."""
+    version = root.read(LATEST, 64, deadline).decode("ascii", "replace").strip() if root.kind(LATEST) == "file" else ""
+    if not VERSION.fullmatch(version) or root.kind(version) != "dir":
+        raise fail(f"checkpoint {path}: its {LATEST} names {version[:64]!r}, which is not a version directory of it",
+                   DAMAGED_FIX)
+    return version
+
+
+def not_a_checkpoint(path: Path) -> FullShardError:
+    return fail(f"{path} is not a checkpoint (no {LATEST} file and no DCP {METADATA})",
+                "Pass the directory given to fullshard.save (or a torch.distributed.checkpoint directory).")
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The DCP directory of the latest complete checkpoint at `path` (for dcp.load).
+
+    Raises:
+        FullShardError: when `path` holds no complete checkpoint.
+    """
+    check_path(path, "checkpoint_dir")
+    folder, _ = open_version(Path(path), time.monotonic() + 300)
+    with folder:
+        return folder.path
+
+
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint written by ``save`` (at any world size, under any strategy) or a
+    plain DCP directory with "model" (and "optim") entries.
+
+    Args:
+        path: the directory given to ``save``.
+        model: the sharded model to load into (every rank must call this).
+        optimizer: its optimizer, or None to load the model only.
+
+    Returns:
+        ``{"step": ..., "extra": ...}`` as saved (``None`` for a plain DCP directory).
+
+    Raises:
+        FullShardError: on every rank, with nothing loaded: when `path` is not a (complete,
+            undamaged) checkpoint, its names or shapes do not fit the model (all listed), it
+            holds no optimizer state or another optimizer's when `optimizer` is given, or a
+            rank stops taking part.
+    """
+    check_path(path, "load")
+    check_optimizer(optimizer)
+    units = units_of(model, "load")
+    reshard_all(model)  # refuses a pending unshard before anything is read
+    timeout = units[0].timeout
+    deadline = time.monotonic() + timeout.total_seconds()
+    path = Path(path)
+    what, untouched = f"the load of {path}", "nothing was loaded"
+    folder, contents, report = None, None, {"error": None, "version": "", "damaged": []}
+    try:
+        folder, contents = open_version(path, deadline)
+        report["version"] = folder.path.name
+        check_fits(folder, contents, model, optimizer, deadline)
+        report["damaged"] = damaged_files(folder, contents, deadline)
+    except FullShardError as e:
+        report["error"] = str(e)
+    except (OSError, dcp_format.FormatError, UnicodeError) as e:
+        report["error"] = str(unreadable(path, e))
+    try:
+        checked = agree(what, "checking the checkpoint", timeout, report, nothing_changed=untouched)
+        if len({r["version"] for r in checked.reports}) > 1:
+            raise fail(f"{what}: ranks found different versions ({sorted({r['version'] for r in checked.reports})}; "
+                       f"a save to it ran meanwhile); {untouched}", "Load again once the save has finished.")
+        problems = sorted({p for r in checked.reports for p in r["damaged"]})
+        if problems:
+            raise fail(f"checkpoint {path} is damaged ({'; '.join(problems)}); {untouched}", DAMAGED_FIX)
+        model_sd, state = read_state(folder, contents, model, optimizer, deadline, what, timeout)
+    finally:
+        if folder is not None:
+            folder.close()
+    if "optim" in state:
+        load_optimizer_state(model, optimizer, state["optim"])  # checks it fits, then replaces it at once
+    load_model_state(model, model_sd)
+    return {"step": contents.step, "extra": contents.extra}
+
+
+def unreadable(path: Path, error: Exception) -> FullShardError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return fail(f"checkpoint {path} could not be read ({type(error).__name__}: {first[:300]}): a file is "
+                f"corrupted, truncated or not a checkpoint's", DAMAGED_FIX)
+
+
+def optimizer_keys(contents: Contents) -> list[str]:
+    return [key for key in (*contents.tensors, *contents.values) if key.startswith("optim.")]
+
+
+def check_fits(folder: Folder, contents: Contents, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               deadline: float) -> None:
+    """Refuse a checkpoint whose tensors do not fit the model, or whose optimizer state (or its lack) does not
+    fit `optimizer`."""
+    shapes = {key[len("model."):]: torch.Size(t.shape) for key, t in contents.tensors.items()
+              if key.startswith("model.")}
+    check_names_and_shapes(state_entries(model), shapes, "checkpoint")
+    if optimizer is None:
+        return
+    if not optimizer_keys(contents):
+        raise fail(f"checkpoint {folder.path} holds no optimizer state (it was saved with optimizer=None), and an "
+                   f"optimizer was given to load into", "Pass optimizer=None to load the model only (the optimizer "
+                   "then starts afresh), or load a checkpoint saved with its optimizer.")
+    mine = type(optimizer).__name__
+    if contents.optimizer is not None and contents.optimizer != mine:
+        raise fail(f"checkpoint {folder.path} holds the state of a {contents.optimizer} optimizer, not of a {mine}",
+                   f"Build a {contents.optimizer} with the same parameter groups, or pass optimizer=None to load "
+                   f"the model only.")
+    groups = saved_groups(folder, contents, deadline)
+    sizes = [len(g["params"]) if isinstance(g.get("params"), list) else None for g in groups]
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        raise fail(f"checkpoint {folder.path}'s optimizer has parameter groups of {sizes} parameters, this one "
+                   f"{[len(g['params']) for g in optimizer.param_groups]}",
+                   "Build the optimizer with the same parameter groups as the one that was saved, or pass "
+                   "optimizer=None to load the model only.")
+    for i, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
+        missing = sorted(set(group) - set(saved) - {"params"})
+        if missing:
+            raise fail(f"checkpoint {folder.path}'s optimizer state has no {', '.join(map(repr, missing))} in "
+                       f"parameter group {i} (it has {sorted(set(saved) - {'params'})}): it was saved from another "
+                       f"kind of optimizer than this {mine}", "Build the optimizer of the saved run, or pass "
+                       "optimizer=None to load the model only.")
+
+
+def saved_groups(folder: Folder, contents: Contents, deadline: float) -> list[dict]:
+    """The saved optimizer's parameter groups, from their flattened items ("optim.param_groups.<i>.<key>";
+    a tensor hyperparameter stands as its dtype and shape)."""
+    groups: dict[int, dict] = {}
+    for key in optimizer_keys(contents):
+        parts = key.split(".", 3)
+        if len(parts) == 4 and parts[1] == "param_groups" and parts[2].isdigit():
+            saved = contents.values.get(key)
+            value = value_of_record(folder, saved, deadline) if saved is not None else contents.tensors[key].shape
+            groups.setdefault(int(parts[2]), {})[parts[3]] = value
+    return [groups[i] for i in sorted(groups)]
+
+
+def value_of_record(folder: Folder, saved: manifest.SavedValue, deadline: float) -> Any:
+    """A non-tensor item's value: as the manifest holds it, or read from its record as data."""
+    if saved.file is None:  # the manifest's own value
+        return saved.value
+    fd = folder.open_read(saved.file)
+    try:
+        return dcp_format.record_value(View(fd, saved.start, saved.length, deadline))
+    finally:
+        os.close(fd)
+
+
+def damaged_files(folder: Folder, contents: Contents, deadline: float) -> list[str]:
+    """Data files missing, shorter than the records reach, of another size than saved or (a share of
+    them per rank, fullshard's checkpoints) of another CRC-32 (Note [failed load])."""
+    needed = contents.needed()
+    names = sorted(set(needed) | set(contents.files))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = []
+    for i, file in enumerate(names):
+        listed = contents.files.get(file)
+        try:
+            size = folder.size(file)
+        except FileNotFoundError:
+            size = -1
+        if size < needed.get(file, 0) or listed is not None and size != listed[0]:
+            problems.append(f"{file}: missing, truncated or resized")
+        elif listed is not None and i % world == rank and folder.crc32(file, deadline)[0] != listed[1]:
+            problems.append(f"{file}: checksum differs")
+    return problems
+
+
+def read_state(folder: Folder, contents: Contents, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               deadline: float, what: str, timeout: timedelta) -> tuple[dict, dict]:
+    """New buffers holding this rank's part of the checkpoint (Note [failed load]): the model's
+    (one per tied entry) and, with `optimizer`, its state; agreed on by every rank."""
+    entries = state_entries(model)
+    fresh: dict[int, torch.Tensor] = {}
+    model_sd = {name: fresh.setdefault(id(entry), new_like(value_of(entry)))
+                for name, entry in entries.items() if f"model.{name}" in contents.tensors}
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        saved = {**{key: (t.dtype, t.shape) for key, t in contents.tensors.items()},
+                 **dict.fromkeys(contents.values)}
+        state["optim"] = optimizer_template(model, optimizer, saved)
+    error = None
+    try:
+        flat, mapping = flatten_state_dict(state)
+        for key, target in flat.items():
+            if isinstance(target, torch.Tensor):
+                read_tensor(folder, key, contents.tensors[key], target, deadline)
+            elif key in contents.values:
+                set_element(state, mapping[key], value_of_record(folder, contents.values[key], deadline))
+    except FullShardError as e:
+        error = str(e)
+    except (OSError, Overdue, dcp_format.FormatError, KeyError) as e:
+        error = str(unreadable(folder.path, e))
+    agree(what, "reading the tensors", timeout, {"error": error}, nothing_changed="nothing was loaded")
+    return model_sd, state
+
+
+def read_tensor(folder: Folder, key: str, saved: SavedTensor, target: torch.Tensor, deadline: float) -> None:
+    """Fill this rank's part of `target` from the saved chunks that overlap it."""
+    local, offsets, sizes = piece(target)
+    covered = 0
+    with torch.no_grad():
+        for chunk in saved.chunks:
+            low = [max(a, b) for a, b in zip(offsets, chunk.offsets)]
+            high = [min(a + s, b + t) for a, s, b, t in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+            if any(h <= lo for lo, h in zip(low, high)):
+                continue
+            values = chunk_values(folder, chunk, saved.dtype, deadline)
+            source = values[tuple(slice(lo - c, h - c) for lo, h, c in zip(low, high, chunk.offsets))]
+            local[tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, offsets))].copy_(source)
+            covered += math.prod(h - lo for lo, h in zip(low, high))
+    if covered != math.prod(sizes):
+        raise fail(f"checkpoint {folder.path} does not hold all of {key} (this rank needs {math.prod(sizes)} of its "
+                   f"elements, the saved chunks give {covered})", DAMAGED_FIX)
+
+
+def chunk_values(folder: Folder, chunk: Chunk, dtype: torch.dtype, deadline: float) -> torch.Tensor:
+    """A saved chunk's values, read from its record (only the bytes its view spans)."""
+    fd = folder.open_read(chunk.file)
+    try:
+        view = View(fd, chunk.start, chunk.length, deadline)
+        layout = chunk.layout or dcp_format.record_layout(view, dtype, chunk.sizes)
+        if not math.prod(chunk.sizes):
+            return torch.empty(chunk.sizes, dtype=dtype)
+        span = 1 + sum((s - 1) * d for s, d in zip(chunk.sizes, layout.stride))
+        first = layout.data_offset + layout.storage_offset * dtype.itemsize
+        raw = bytearray(view.read_range(first, span * dtype.itemsize))
+    finally:
+        os.close(fd)
+    return torch.frombuffer(raw, dtype=dtype).as_strided(chunk.sizes, layout.stride)
