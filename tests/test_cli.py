@@ -4,6 +4,7 @@ of local runs. Resuming after a kill is in test_reliability.py, which shares the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from fullshard import cli, launcher
+from fullshard.train_config import TrainConfig
 from tests.runs import STRAIGHT, finish, fullshard, metrics
 
 
@@ -65,13 +67,40 @@ def exit_status(args: list[str]) -> int:
     (["train", "--data", "20_BYTE_FILE"], "20 bytes is too little text"),
     (["train", "--out", "20_BYTE_FILE"], "is a file"),
     (["train", "--out", "/proc/fullshard/run"], "cannot hold a run"),
+    # values a fuzzer found passing the checks, then growing without bound or failing in every rank
+    (["train", "--n-layer", "99999999999999999999"], "--n-layer must be at most 1024, got 99999999999999999999"),
+    (["train", "--n-embd", "100000000"], "--n-embd must be at most 131072"),
+    (["train", "--n-embd", "65536", "--n-head", "1"], "this run needs at least"),
+    (["train", "--global-batch", "1000000000"], "this run needs at least"),
+    (["train", "--nproc", "100000", "--oversubscribe", "--global-batch", "100000"], "this run needs at least"),
+    (["train", "--seq-len", "100000000000"], "--seq-len must be at most"),
+    (["train", "--steps", "100000000000000000000"], "--steps must be at most"),
+    (["train", "--seed", "100000000000000000000"], "--seed must be at most 4294967295"),
+    (["train", "--seed", "-1"], "--seed must not be negative"),
+    (["train", "--lr", "1e308"], "--lr must be at most 10"),
+    (["train", "--sample-bytes", "100000000000"], "--sample-bytes must be at most"),
+    (["train", "--wrap", "0"], "--wrap must be 'block', 'none' or a parameter count from 1"),
+    (["train", "--data", ""], "--data is empty"),
+    (["train", "--out", " "], "--out is empty"),
+    (["plan", "--n-layer", "99999999999999999999"], "--n-layer must be at most 1024"),
+    (["plan", "--vocab", "0"], "--vocab must be at least 1, got 0"),
+    (["plan", "--vocab", "-1"], "--vocab must be at least 1, got -1"),
+    (["plan", "--seq-len", "0"], "--seq-len must be at least 1, got 0"),
+    (["plan", "--seq-len", "-1"], "--seq-len must be at least 1"),
+    (["plan", "--batch", "0"], "--batch must be at least 1"),
+    (["plan", "--batch", "-1"], "--batch must be at least 1"),
+    (["plan", "--batch", "100000000000000000000"], "--batch must be at most"),
+    (["plan", "--world-size", "100000000000000000000"], "--world-size must be at most 1048576"),
+    (["plan", "--world-size", "0"], "--world-size must be at least 1"),
+    (["plan", "--n-layer", "1024", "--n-embd", "131072", "--n-head", "1"], "cannot fit in 2 ranks of --memory-budget 2GiB"),
+    (["plan", "--memory-budget", "lots"], "--memory-budget must be a size"),
 ])
 def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, tmp_path, args, says):
     for name, text in {"EMPTY_FILE": b"", "20_BYTE_FILE": b"def f(): return 42\n\n"}.items():
         (tmp_path / name).write_bytes(text)
     args = [str(tmp_path / arg) if arg.isupper() else arg for arg in args]
     # in this process: arguments that passed every check would fail here, not start a run
-    for var in cli.TORCHRUN_VARS:
+    for var in (*cli.TORCHRUN_VARS, launcher.LAUNCHER_PID):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail(f"{args} started ranks"))
     monkeypatch.setattr(cli, "train", lambda *a: pytest.fail(f"{args} started training"))
@@ -81,6 +110,37 @@ def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, tmp_path, args, s
     assert exit_status(args) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and says in err
+
+
+class Started(Exception):
+    """The checks passed: the command got as far as starting its ranks."""
+
+
+FUZZ_INTS = ["-1", "0", "1", "99999999999999999999", "1e8", "nan", ""]
+FUZZ_FLOATS = ["-1", "0", "nan", "inf", "-inf", "1e308", "1e-308", "x"]
+
+
+@pytest.mark.parametrize("option", [f.name for f in dataclasses.fields(TrainConfig) if f.type != "bool"])
+def test_every_fuzzed_value_ends_in_one_line_or_a_run_that_starts(monkeypatch, capsys, tmp_path, option):
+    """Every option given hostile values: each ends in one line and status 2 before any rank
+    starts, or passes every check and gets as far as starting the ranks."""
+    field = next(f for f in dataclasses.fields(TrainConfig) if f.name == option)
+    values = FUZZ_FLOATS if field.type == "float" else FUZZ_INTS if field.type.startswith("int") else \
+        ["", " ", "\0", "x" * 5000, "/proc/self/mem", "/proc/1/cwd", "-1", "0"]
+    for var in (*cli.TORCHRUN_VARS, launcher.LAUNCHER_PID):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(cli, "launch", lambda *a: (_ for _ in ()).throw(Started()))
+    monkeypatch.chdir(tmp_path)  # relative --out values are made here
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for value in values:
+        args = ["train", "--preset", "tiny", "--out", str(tmp_path), f"--{option.replace('_', '-')}={value}"]
+        try:
+            status = exit_status(args)
+        except Started:
+            status = "started"
+        out, err = capsys.readouterr()
+        assert status == "started" or status == 2 and out == "" and err.count("\n") == 1, (value, status, err)
 
 
 def test_version(capsys):
@@ -139,11 +199,40 @@ def test_a_stopped_launcher_ends_its_ranks_and_exits_with_128_plus_the_signal(no
     assert (tmp_path / "0").is_file() and not any(Path("/proc", pid).exists() for pid in pids if pid)
 
 
-def test_a_local_run_listens_on_the_loopback_interface_only():
-    # the rank finds every listening TCP socket on the store's port (IPv4 and IPv6)
-    code = ("import os, sys; port = '%04X' % int(os.environ['MASTER_PORT']); "
-            "found = [f.split()[1] for name in ('/proc/net/tcp', '/proc/net/tcp6') if os.path.exists(name) "
-            "for f in open(name).read().splitlines()[1:] "
-            "if f.split()[3] == '0A' and f.split()[1].endswith(':' + port)]; "
-            "sys.exit(0 if found == ['0100007F:' + port] else 4)")
-    assert launch(code, nproc=1) == 0
+RENDEZVOUS_CHECK = """
+import os, stat, sys
+store = os.environ["FULLSHARD_STORE_FILE"]
+folder = os.path.dirname(store)
+open(store, "a").close()  # as torch's FileStore makes it
+info = os.stat(folder)
+if stat.S_IMODE(info.st_mode) != 0o700 or info.st_uid != os.getuid():
+    sys.exit(4)
+# the launcher holds no listening socket: none of its descriptors is a socket in state LISTEN
+mine = {os.readlink(f"/proc/{os.getppid()}/fd/{fd}") for fd in os.listdir(f"/proc/{os.getppid()}/fd")}
+listening = {f"socket:[{line.split()[9]}]" for name in ("/proc/net/tcp", "/proc/net/tcp6") if os.path.exists(name)
+             for line in open(name).read().splitlines()[1:] if line.split()[3] == "0A"}
+if mine & listening:
+    sys.exit(5)
+if os.getuid() == 0:  # another local user (nobody) can neither read nor write the rendezvous
+    child = os.fork()
+    if child == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+        refused = 0
+        for attempt in (lambda: os.listdir(folder), lambda: open(store).read(),
+                        lambda: open(store, "a").write("garbage"),
+                        lambda: open(os.path.join(folder, "attempt-1"), "w").write("garbage")):
+            try:
+                attempt()
+            except PermissionError:
+                refused += 1
+        os._exit(0 if refused == 4 else 6)
+    sys.exit(os.waitpid(child, 0)[1] >> 8)
+"""
+
+
+def test_a_local_runs_rendezvous_is_reachable_by_this_user_alone():
+    """Note [local launch]: the ranks meet in a FileStore in a mode-0700 directory; nothing
+    listens for it, and (run as root, the check also as another user) no other local user
+    can list, read or write the job's keys, nor plant the next attempt's."""
+    assert launch(RENDEZVOUS_CHECK, nproc=1) == 0

@@ -3,7 +3,9 @@ a failed load changes nothing, every wait has a deadline, nothing is left behind
 
 from __future__ import annotations
 
+import importlib
 import os
+import pathlib
 import pickle
 import shutil
 import time
@@ -32,7 +34,8 @@ def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def optimizer_values(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v
+    """Copies of every optimizer state tensor, full."""
+    return [v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v.clone()
             for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
@@ -89,7 +92,44 @@ def payloads(marker: Path) -> dict[str, bytes]:
     out["INST os system"] = b"(" + text(cmd) + b"ios\nsystem\n."
     out["INST posix system"] = b"(" + text(cmd) + b"iposix\nsystem\n."
     out["OBJ"] = b"\x80\x02(cos\nsystem\n" + text(cmd) + b"o."
+    posix_path = text("pathlib") + text("PosixPath") + b"\x93"
+    for module, name in OLD_ALLOWLIST:  # BUILD with a slot state sets attributes on the class itself
+        out[f"BUILD on {module}.{name}"] = build_on_class(module, name, PLANTED, posix_path) + b"."
+        out[f"BUILD on {module}.{name} inside Metadata"] = inside_metadata(build_on_class(module, name, PLANTED,
+                                                                                          posix_path))
+    out["BUILD PosixPath.rename = PosixPath"] = build_on_class("pathlib", "PosixPath", "rename", posix_path) + b"."
+    out["BUILD PosixPath._str"] = build_on_class("pathlib", "PosixPath", "_str", text(str(marker))) + b"."
     return out
+
+
+PLANTED = "planted_by_a_checkpoint"
+
+
+def build_on_class(module: str, name: str, attribute: str, value: bytes) -> bytes:
+    """A pickle fragment (no STOP) whose BUILD sets `attribute` to `value` (a pickled value) on
+    the class module.name itself: the state (None, {attribute: value}) of a slotted object."""
+    return (b"\x80\x04" + text(module) + text(name) + b"\x93" + b"N}" + text(attribute) + value + b"s\x86" + b"b")
+
+
+def inside_metadata(fragment: bytes) -> bytes:
+    """A DCP Metadata whose storage_meta is `fragment`'s value."""
+    return (b"\x80\x04" + text("torch.distributed.checkpoint.metadata") + text("Metadata") + b"\x93)\x81}"
+            + text("state_dict_metadata") + b"}s" + text("storage_meta") + fragment[2:] + b"sb.")
+
+
+class Victim:
+    """A class of the test's own, to show that the BUILD payloads work on a real unpickler."""
+
+
+def classes_changed() -> list[str]:
+    """The classes of OLD_ALLOWLIST a payload changed (PosixPath.rename and ._str included)."""
+    changed = [f"{m}.{n}" for m, n in OLD_ALLOWLIST if hasattr(getattr(importlib.import_module(m), n), PLANTED)]
+    if pathlib.PosixPath.rename is not ORIGINAL_RENAME or "_str" in vars(pathlib.PosixPath):
+        changed.append("pathlib.PosixPath.rename/_str")
+    return changed
+
+
+ORIGINAL_RENAME = pathlib.PosixPath.rename
 
 
 def plain_copy(version: Path, plain: Path) -> Path:
@@ -120,15 +160,25 @@ def planted_job(root: str) -> dict:
         if marker.exists():
             ran.append(name)
             marker.unlink()
+    version = fullshard.checkpoint_dir(path)
+    (version / ".metadata").write_bytes(payloads(marker)["BUILD PosixPath.rename = PosixPath"])
+    ignored = fullshard.load(path, model, opt)  # fullshard's own versions are read through fullshard.json only
     metadata.write_bytes(real)
     fullshard.load(metadata.parent, model, opt)  # the real one still loads
-    return {"count": len(payloads(marker)), "refused": len(refused), "ran": ran,
-            "changed": max_diff(full_state(model), before)}
+    fullshard.save(path, model, opt, step=2)  # and saves still work, replacing the version before them
+    return {"count": len(payloads(marker)), "refused": len(refused), "ran": ran, "classes": classes_changed(),
+            "changed": max_diff(full_state(model), before), "ignored": ignored,
+            "saved": fullshard.load(path, model, opt)["step"], "versions": len(list(path.glob("v-*")))}
 
 
-def test_no_payload_planted_in_checkpoint_metadata_runs(world1, tmp_path):
+def test_no_payload_planted_in_checkpoint_metadata_runs_or_changes_a_class(world1, tmp_path):
+    bait = payloads(tmp_path / "ran")
+    pickle.loads(build_on_class("tests.test_trust", "Victim", PLANTED, text("yes")) + b".")
+    assert getattr(Victim, PLANTED) == "yes"  # the BUILD payloads are real: pickle does set the class attribute
     got = world1.run(planted_job, root=str(tmp_path))[0]
-    assert got["ran"] == [] and got["refused"] == got["count"] == 63 and got["changed"] == 0.0
+    assert got["ran"] == [] and got["classes"] == [] and got["changed"] == 0.0
+    assert got["refused"] == got["count"] == len(bait) == 63 + 2 * len(OLD_ALLOWLIST) + 2
+    assert got["ignored"] == {"step": 1, "extra": None} and got["saved"] == 2 and got["versions"] == 1
 
 
 # ---- a failed load changes nothing ----------------------------------------------------------

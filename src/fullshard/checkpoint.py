@@ -50,7 +50,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from fullshard import dcp_format, manifest
 from fullshard.collectives import all_gather_json
 from fullshard.errors import FullShardError, fail, require
-from fullshard.files import Folder, Overdue, View
+from fullshard.files import Folder, Overdue, View, Writer
 from fullshard.manifest import MAX_INT, Chunk, Contents, SavedTensor
 from fullshard.mesh import timed_group
 from fullshard.runtime import CollectiveError
@@ -78,14 +78,15 @@ class Outcome:
         return next(((r, report["error"]) for r, report in enumerate(self.reports) if report.get("error")), None)
 
 
-def agree(what: str, phase: str, timeout: timedelta, report: dict, *, nothing_changed: str) -> Outcome:
+def agree(what: str, phase: str, timeout: timedelta, report: dict, *, nothing_changed: str,
+          fix: str | None = None) -> Outcome:
     """Every rank's `report` for `phase`; a FullShardError on every rank when any reported an error
-    or one did not take part within `timeout`."""
+    (its message, then `fix` when given) or one did not take part within `timeout`."""
     try:
         outcome = Outcome(all_gather_json(report, device=torch.device("cpu"), timeout=timeout,
                                           group=timed_group(timeout)))
     except CollectiveError as e:
-        raise fail(f"rank {dist.get_rank()}: {what} stopped while {phase}: another rank did not take part within "
+        raise fail(f"rank {dist.get_rank()}: {what} did not finish {phase}: another rank did not take part within "
                    f"{timeout.total_seconds():g} s (it stopped, died or made another call; {str(e)[:200]}); "
                    f"{nothing_changed}",
                    "Every rank must make the same call. Restart the job (fullshard train --max-restarts N resumes "
@@ -93,7 +94,8 @@ def agree(what: str, phase: str, timeout: timedelta, report: dict, *, nothing_ch
     failed = outcome.first_error()
     if failed is not None:
         rank, message = failed
-        raise FullShardError(message if rank == dist.get_rank() else f"rank {rank}: {message}")
+        message = message if rank == dist.get_rank() else f"rank {rank}: {message}"
+        raise FullShardError(f"{message}. {fix}" if fix else message)
     return outcome
 
 
@@ -101,6 +103,11 @@ def os_problem(error: OSError) -> str:
     """An OSError in words: what the system said, and about which file."""
     file = f": {error.filename}" if error.filename else ""
     return f"{error.strerror or error}{file}"
+
+
+def problem_of(error: Exception) -> str:
+    """What went wrong in a rank's part of a phase, in words."""
+    return os_problem(error) if isinstance(error, OSError) else f"{type(error).__name__}: {str(error)[:300]}"
 
 
 # ---- save -----------------------------------------------------------------------------------------
@@ -149,11 +156,12 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     if rank == 0:
         try:
             prepare(path, f"v-{token}")
-        except OSError as e:
-            error = f"{what} could not create its directory ({os_problem(e)})"
+        except Exception as e:
+            error = f"{what} could not create its directory ({problem_of(e)})"
     plain = sorted(key for key, value in flat.items() if not isinstance(value, DTensor))
+    fix = f"Free space on, or give write access to, the checkpoint's disk, or save to another path; {kept}"
     start = agree(what, "creating its version directory", timeout, {"error": error, "token": token, "plain": plain},
-                  nothing_changed=kept)
+                  nothing_changed=kept, fix=fix)
     version = f"v-{start.reports[0]['token']}"
     owners: dict[str, int] = {}
     for r, report in reversed(list(enumerate(start.reports))):
@@ -163,27 +171,23 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     try:
         with Folder.open(path) as root, root.sub(version) as folder:
             written = write_records(folder, flat, mapping, owners, rank)
-    except OSError as e:
-        error = f"{what} could not write this rank's shards ({os_problem(e)})"
+    except Exception as e:  # every rank learns of it at the agreement, none waits for this one in vain
+        error = f"{what} could not write this rank's shards ({problem_of(e)})"
     try:
-        wrote = agree(what, "writing the shards", timeout, {"error": error, **written}, nothing_changed=kept)
-    except FullShardError as e:
+        wrote = agree(what, "writing the shards", timeout, {"error": error, **written}, nothing_changed=kept, fix=fix)
+    except FullShardError:
         abandon(path, version, rank)
-        raise with_fix(e, f"Free space on, or give write access to, the checkpoint's disk, or save to another path; "
-                          f"{kept}.") from None
+        raise
     # phase 3: rank 0 writes the manifest and the metadata, then switches LATEST
     error = None
     if rank == 0:
         try:
             commit(path, version, wrote.reports, optimizer, step, extra)
-        except OSError as e:
-            error = f"{what} could not write its metadata or switch LATEST ({os_problem(e)})"
-            abandon(path, version, rank)
-    try:
-        agree(what, "switching LATEST to the new version", timeout, {"error": error}, nothing_changed=kept)
-    except FullShardError as e:
-        raise with_fix(e, f"Free space on, or give write access to, the checkpoint's disk, or save to another path; "
-                          f"{kept}.") from None
+        except Exception as e:
+            error = f"{what} could not write its metadata or switch LATEST ({problem_of(e)})"
+            if latest_of(path) != version:
+                abandon(path, version, rank)
+    agree(what, "switching LATEST to the new version", timeout, {"error": error}, nothing_changed=kept, fix=fix)
 
 
 def check_json(value: Any, what: str) -> None:
@@ -192,12 +196,6 @@ def check_json(value: Any, what: str) -> None:
     except (TypeError, ValueError) as e:
         raise fail(f"{what} cannot be saved: {e}", "Pass JSON-serializable values (numbers, strings, lists, "
                    "dicts); checkpoints never pickle arbitrary objects.") from None
-
-
-def with_fix(error: FullShardError, fix: str) -> FullShardError:
-    """A phase's error, with what to do about a failed write (a peer's loss says its own)."""
-    message = str(error)
-    return error if "another rank did not take part" in message else FullShardError(f"{message}. {fix}")
 
 
 def prepare(path: Path, version: str) -> None:
@@ -210,6 +208,15 @@ def prepare(path: Path, version: str) -> None:
                 if not complete:
                     root.remove_tree(entry)
         root.sub(version, create=True).close()
+
+
+def latest_of(path: Path) -> str | None:
+    """The version LATEST names now, if it can be read."""
+    try:
+        with Folder.open(path) as root:
+            return root.read(LATEST, 64, math.inf).decode("ascii", "replace").strip()
+    except OSError:
+        return None
 
 
 def abandon(path: Path, version: str, rank: int) -> None:
@@ -258,18 +265,30 @@ def write_records(folder: Folder, flat: dict[str, Any], mapping: dict[str, tuple
             begin = out.tell()
             if isinstance(value, torch.Tensor):
                 local, offsets, sizes = piece(value)
-                torch.save(local.detach().cpu(), out)
+                save_record(local.detach().cpu(), out)
                 layout = dcp_format.record_layout(View(out.fd, begin, out.tell() - begin, math.inf), local.dtype,
                                                   sizes)
                 tensors[key] = {"dtype": manifest.dtype_name(value.dtype), "shape": list(value.shape),
                                 "chunk": [list(offsets), list(sizes), begin, out.tell() - begin, layout.data_offset,
                                           layout.storage_numel, layout.storage_offset, list(layout.stride)]}
             else:
-                torch.save(value, out)
+                save_record(value, out)
                 values[key] = [begin, out.tell() - begin, value]
         out.commit()
     return {"file": [file, out.size, out.crc], "tensors": tensors, "values": values,
             "paths": {key: list(mapping[key]) for key, _ in mine}}
+
+
+def save_record(value: Any, out: Writer) -> None:
+    """torch.save `value` into `out`; a write that failed raises as itself (torch.save reports it
+    as a RuntimeError of its own)."""
+    try:
+        torch.save(value, out)
+        return
+    except RuntimeError:
+        if out.failure is None:
+            raise
+    raise out.failure  # outside the except: no context holding torch.save's frames
 
 
 def commit(path: Path, version: str, reports: list[dict], optimizer: torch.optim.Optimizer | None,
@@ -330,9 +349,11 @@ def open_version(path: Path, deadline: float) -> tuple[Folder, Contents]:
         if folder.kind(COMPLETE) != "file":
             raise fail(f"checkpoint {path} names version {folder.path.name}, which is incomplete",
                        "Its save was interrupted; load an earlier checkpoint or save again.")
-        if folder.kind(MANIFEST) != "file":
-            raise fail(f"checkpoint {path}: version {folder.path.name} has no {MANIFEST}, which lists what it holds "
-                       f"and the checksums of its files", DAMAGED_FIX)
+        kind = folder.kind(MANIFEST)
+        if kind != "file":
+            what = f"has no {MANIFEST}" if kind is None else f"has a {MANIFEST} that is not a regular file (a link?)"
+            raise fail(f"checkpoint {path}: version {folder.path.name} {what}, which lists what it holds and the "
+                       f"checksums of its files", DAMAGED_FIX)
         text = folder.read(MANIFEST, MAX_MANIFEST, deadline).decode("utf-8", "replace")
         return folder, manifest.read(text, f"{folder.path / MANIFEST}")
     except BaseException:

@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 from fullshard.errors import FullShardError
-from fullshard.launcher import hold_run_dir, launch
+from fullshard.launcher import LAUNCHER_PID, hold_run_dir, launch
 # TrainConfig and nonfinite_policy are also imported from here (tests/test_gpu_paths.py)
-from fullshard.train_config import (TrainConfig, add_config_args, dims_problem, fatal, gpt_dims, nonfinite_policy,
-                                    parse_bytes, problem)
+from fullshard.train_config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
+                                    nonfinite_policy, parse_bytes, plan_problem, problem)
 from fullshard.trainer import train, version
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if (message := problem(cfg)) is not None:
         return fatal(message)
-    if all(var in os.environ for var in TORCHRUN_VARS):  # one rank of a job
+    if LAUNCHER_PID in os.environ or all(var in os.environ for var in TORCHRUN_VARS):  # one rank of a job
         try:
             return train(cfg)
         except FullShardError as e:  # what went wrong and how to fix it, in one line
@@ -69,6 +69,8 @@ def start_local_run(cfg: TrainConfig, argv: list[str]) -> int:
     if cfg.global_batch % (nproc * cfg.grad_accum):
         return fatal(f"--global-batch {cfg.global_batch} must divide into {nproc} ranks x {cfg.grad_accum} "
                      f"micro-batches")
+    if (message := memory_problem(cfg, nproc, available_memory(), "of memory available here")) is not None:
+        return fatal(message)
     try:
         lock = hold_run_dir(Path(cfg.out))
     except FullShardError as e:
@@ -109,16 +111,12 @@ def plan_command(args: argparse.Namespace) -> int:
     import torch
 
     import fullshard
-    from fullshard.gpt import GPT, PRESETS, GPTConfig
+    from fullshard.gpt import GPT, GPTConfig
 
-    if args.preset not in PRESETS:
-        return fatal(f"unknown --preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     budget = parse_bytes(args.memory_budget)
-    if budget is None:
-        return fatal(f"--memory-budget must be a size like 2GiB or 500MB, got {args.memory_budget!r}")
-    dims = gpt_dims(args)
-    if (message := dims_problem(dims)) is not None:
+    if (message := plan_problem(args, budget)) is not None:
         return fatal(message)
+    dims = gpt_dims(args)
     with torch.device("meta"):
         model = GPT(GPTConfig(block_size=args.seq_len, vocab_size=args.vocab, **dims))
     try:

@@ -27,9 +27,17 @@ def corpus(data: str | None) -> tuple[bytes, bytes, str]:
     return train, val, f"{root} ({len(train_files) + len(val_files)} files)"
 
 
+MAX_FILES = 200_000  # --data with more files than this is refused: it is not a corpus, but e.g. "/"
+
+
+class TooManyFiles(OSError):
+    """--data holds more files than MAX_FILES."""
+
+
 def corpus_sizes(data: str | None) -> tuple[int, int]:
     """The lengths of `corpus(data)`'s training and validation bytes, from the files' sizes
-    alone: the argument checks run before any rank reads the text."""
+    alone: the argument checks run before any rank reads the text. OSError (TooManyFiles
+    among them) when the files cannot be listed or sized."""
     _, train_files, val_files = split(data)
     train = sum(path.stat().st_size for path in train_files)
     val = sum(path.stat().st_size for path in val_files)
@@ -45,6 +53,8 @@ def split(data: str | None) -> tuple[Path, list[Path], list[Path]]:
         return root, [root], []
     train, val = [], []
     for path in sorted(files_under(root, "*.py" if data is None else "*")):
+        if len(train) + len(val) >= MAX_FILES:
+            raise TooManyFiles(f"{root} holds more than {MAX_FILES} files")
         (val if zlib.crc32(str(path.relative_to(root)).encode()) % 20 == 0 else train).append(path)
     return root, train, val
 
@@ -58,9 +68,13 @@ def files_under(root: Path, pattern: str) -> Iterator[Path]:
     """The files below `root` whose names match `pattern`, except in site-packages folders:
     installed packages are not the standard library, and walking them costs more than
     reading the standard library does."""
+    seen = 0
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [name for name in subfolders if name != "site-packages"]
         for name in fnmatch.filter(names, pattern):
+            seen += 1
+            if seen > MAX_FILES:
+                raise TooManyFiles(f"{root} holds more than {MAX_FILES} files")
             if (path := Path(folder, name)).is_file():
                 yield path
 

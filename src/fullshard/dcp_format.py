@@ -12,6 +12,7 @@ own objects (manifest.Contents); nothing outside those shapes is admitted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import struct
 import sys
@@ -21,8 +22,8 @@ from typing import Any
 import torch
 
 from fullshard.files import View, name
-from fullshard.manifest import MAX_INT, Chunk, Contents, Layout, SavedTensor, SavedValue, layout_problem, \
-    overlap_problem
+from fullshard.manifest import (MAX_INT, Chunk, Contents, Layout, SavedTensor, SavedValue, coverage_problem,
+                                layout_problem, overlap_problem)
 from fullshard.pickle_data import Budget, Call, Dict, Global, Object, Persistent, PickleDataError, parse, plain
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -140,13 +141,17 @@ def read_metadata(data: bytes, where: str) -> Contents:
                 raise FormatError(f"{key}'s chunks must be a list")
             chunks = []
             for raw in fields["chunks"]:
-                chunk = fields_of(raw, meta_class("ChunkStorageMetadata"), {"offsets", "sizes"}, set(), budget)
-                offsets, sizes = size(chunk["offsets"], f"{key}'s chunk"), size(chunk["sizes"], f"{key}'s chunk")
+                place = fields_of(raw, meta_class("ChunkStorageMetadata"), {"offsets", "sizes"}, set(), budget)
+                offsets, sizes = size(place["offsets"], f"{key}'s chunk"), size(place["sizes"], f"{key}'s chunk")
                 if len(offsets) != len(shape) or len(sizes) != len(shape) or \
                         any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
                     raise FormatError(f"a chunk of {key} lies outside its shape {list(shape)}")
-                chunks.append(Chunk(offsets, sizes, *record_of(records, key, offsets)))
-            if problem := overlap_problem(chunks):
+                chunk = Chunk(offsets, sizes, *record_of(records, key, offsets))
+                if math.prod(sizes) * dtype.itemsize > chunk.length:
+                    raise FormatError(f"a chunk of {key} has {math.prod(sizes)} elements, more than its record of "
+                                      f"{chunk.length} bytes holds")
+                chunks.append(chunk)
+            if problem := overlap_problem(chunks) or coverage_problem(chunks, shape):
                 raise FormatError(f"{key} {problem}")
             contents.tensors[key] = SavedTensor(dtype, shape, tuple(chunks))
     except (PickleDataError, FormatError) as e:

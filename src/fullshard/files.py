@@ -168,6 +168,7 @@ class Writer(io.RawIOBase):
         super().__init__()
         self.folder, self.entry, self.temp, self.fd = folder, entry, temp, fd
         self.crc, self.size, self.committed = 0, 0, False
+        self.failure: OSError | None = None  # the first write that failed (torch.save reports it as its own error)
 
     def writable(self) -> bool:
         return True
@@ -175,8 +176,13 @@ class Writer(io.RawIOBase):
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         written = 0
-        while written < len(view):
-            written += os.write(self.fd, view[written:])
+        try:
+            while written < len(view):
+                written += os.write(self.fd, view[written:])
+        except OSError as e:  # kept without its traceback: torch's C++ writer holds this object, and
+            # a traceback through its frames would make a cycle gc cannot see, keeping the tensors alive
+            self.failure = self.failure or OSError(e.errno, e.strerror, e.filename)
+            raise
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
         return len(view)

@@ -37,6 +37,13 @@ PRESETS = {
 }
 
 
+def parameter_count(cfg: GPTConfig) -> int:
+    """The parameters of GPT(cfg), from its dimensions alone (the CLI sizes a run before building it)."""
+    d, bias = cfg.n_embd, int(cfg.bias)
+    block = 12 * d * d + (11 * bias + 2) * d  # c_attn, c_proj, c_fc, c_proj, 2 LayerNorms
+    return (cfg.vocab_size + cfg.block_size) * d + cfg.n_layer * block + (1 + bias) * d
+
+
 class Linear(nn.Linear):
     """nn.Linear with GPT-2's initialization: N(0, std) weight, zero bias."""
 

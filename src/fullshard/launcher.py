@@ -1,14 +1,16 @@
 """Starting, watching and stopping the ranks of `fullshard train` on one machine, and the
 lock that keeps a second run out of a run directory.
 
-Note [local launch]: without torchrun the command is its own launcher. It hosts the
-ranks' TCPStore on a socket it binds to 127.0.0.1 itself (torch's launchers listen on
-every interface, where anyone who reaches the port can write the job's keys) and binds
-gloo to the loopback interface, so nothing of a local run listens beyond this machine.
-It starts one process per rank, each in a session of its own (a Ctrl-C reaches the
-launcher alone, which then ends the ranks), restarts them all when one fails, as often
-as --max-restarts allows (they resume from the newest checkpoint), and ends them when
-it is stopped or killed (Note [orphans]).
+Note [local launch]: without torchrun the command is its own launcher. Its ranks meet
+in a FileStore: a file in a fresh directory only this user can enter (mode 0700, made
+by mkdtemp), a new file for each attempt, so no other local user can read the job's
+keys or write into them (torch's TCPStore takes any local connection: a garbage key
+there broke a restart), and nothing of a local run listens on a port for it; gloo
+binds to the loopback interface. The launcher starts one process per rank, each in a
+session of its own (a Ctrl-C reaches the launcher alone, which then ends the ranks),
+restarts them all when one fails, as often as --max-restarts allows (they resume from
+the newest checkpoint), ends them when it is stopped or killed (Note [orphans]), and
+removes the directory at the end.
 
 Note [exit status]: 0 when every rank ended well; a rank's own status when it failed
 with one (2: bad arguments, 3: a FullShardError while training; the rank printed the
@@ -33,18 +35,22 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import TextIO
 
 from fullshard.errors import FullShardError
+from fullshard.files import Folder
 
 LAUNCHER_PID = "FULLSHARD_LAUNCHER_PID"  # set for the ranks: whom they must die with
+STORE_FILE = "FULLSHARD_STORE_FILE"  # set for the ranks: the FileStore they meet in (Note [local launch])
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 END_GRACE_S = 10  # a rank told to end (SIGTERM) that is still there after this is killed
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -53,7 +59,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def launch(command: list[str], nproc: int, max_restarts: int) -> int:
     """Run `command` as ranks 0..nproc-1 of one job on this machine (Note [local launch]);
     its exit status (Note [exit status])."""
-    listener, store = loopback_store()
+    rendezvous = tempfile.mkdtemp(prefix="fullshard-rendezvous-")  # mode 0700
     stops: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
     try:
@@ -61,7 +67,8 @@ def launch(command: list[str], nproc: int, max_restarts: int) -> int:
             ranks: list[subprocess.Popen] = []
             try:
                 for rank in range(nproc):
-                    ranks.append(subprocess.Popen(command, env=rank_env(rank, nproc, store.port, attempt),
+                    store = os.path.join(rendezvous, f"attempt-{attempt}")
+                    ranks.append(subprocess.Popen(command, env=rank_env(rank, nproc, store, attempt),
                                                   start_new_session=True))
                 failed = wait_for_ranks(ranks, stops)
             finally:
@@ -83,29 +90,15 @@ def launch(command: list[str], nproc: int, max_restarts: int) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        listener.close()
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
-def loopback_store() -> tuple[socket.socket, object]:
-    """A TCPStore server that listens on 127.0.0.1 only (torch binds every interface when it
-    opens the socket itself, so it is given one bound here), and its listening socket."""
-    import torch.distributed as dist
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                          master_listen_fd=listener.fileno())
-    return listener, store
-
-
-def rank_env(rank: int, nproc: int, port: int, attempt: int) -> dict[str, str]:
-    """A rank's environment: torchrun's variables, with the launcher's store as the agent store;
-    gloo on the loopback interface and the cores shared out, unless the user says otherwise."""
+def rank_env(rank: int, nproc: int, store: str, attempt: int) -> dict[str, str]:
+    """A rank's environment: torchrun's rank variables, the attempt's store file (Note [local
+    launch]); gloo on the loopback interface and the cores shared out, unless the user says otherwise."""
     defaults = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     return {**defaults, **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": str(attempt), STORE_FILE: store,
             LAUNCHER_PID: str(os.getpid())}
 
 
@@ -171,20 +164,22 @@ def watch_parent(parent: int) -> None:
 def hold_run_dir(out: Path) -> TextIO:
     """Create the run directory `out` and lock it for this process's life (Note [one run per
     directory]): the returned file holds the lock. Raises FullShardError naming the run that
-    holds it, or saying why `out` cannot be a run directory."""
-    if out.exists() and not out.is_dir():
-        raise FullShardError(f"--out {out} is a file. Pass a directory (it is created if missing)")
+    holds it, or saying why `out` cannot be a run directory (a .lock that is a link or not a
+    regular file is refused, never followed: Note [confined files])."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "a+")
-    except OSError as e:
-        raise FullShardError(f"--out {out} cannot hold a run ({e.strerror}: {e.filename}). Pass a directory you "
-                             f"can write to") from None
+        if out.exists() and not out.is_dir():
+            raise FullShardError(f"--out {out} is a file. Pass a directory (it is created if missing)")
+        with Folder.open(out, create=True) as folder:
+            lock = os.fdopen(folder.open_existing(".lock", os.O_RDWR), "r+")
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        why = f"{e.strerror}: {e.filename}" if getattr(e, "strerror", None) else str(e)
+        raise FullShardError(f"--out {str(out)[:200]} cannot hold a run ({why[:300]}; a .lock there must be a regular "
+                             f"file, not a link). Pass a directory you can write to") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        holder = lock.read().strip() or "a process that is starting"
+        holder = lock.read(500).strip() or "a process that is starting"
         lock.close()
         raise FullShardError(f"--out {out} is in use by another run ({holder}). Wait for it to end, stop it, or pass "
                              f"another --out") from None

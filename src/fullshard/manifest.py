@@ -211,7 +211,7 @@ def read_tensor(schema: Schema, key: str, entry: Any, files: dict[str, tuple[int
         if problem := layout_problem(layout, sizes, dtype.itemsize, length):
             raise schema.bad(at, problem)
         chunks.append(Chunk(offsets, sizes, file, start, length, layout))
-    if problem := overlap_problem(chunks):
+    if problem := overlap_problem(chunks) or coverage_problem(chunks, shape):
         raise schema.bad(where, problem)
     return SavedTensor(dtype, shape, tuple(chunks))
 
@@ -220,10 +220,18 @@ def layout_problem(layout: Layout, sizes: tuple[int, ...], itemsize: int, length
     """Why a chunk's layout does not fit inside its record of `length` bytes, if it does not."""
     if layout.data_offset + layout.storage_numel * itemsize > length:
         return f"has a storage of {layout.storage_numel} elements that does not fit in its record of {length} bytes"
+    if math.prod(sizes) > layout.storage_numel:
+        return f"has {math.prod(sizes)} elements, more than its storage's {layout.storage_numel}"
     if math.prod(sizes) and layout.storage_offset + sum((s - 1) * d for s, d in zip(sizes, layout.stride)) \
             >= layout.storage_numel:
         return "reads past the end of its storage"
     return None
+
+
+def coverage_problem(chunks: list[Chunk], shape: tuple[int, ...]) -> str | None:
+    """Why the chunks of one tensor (which do not overlap) do not cover all of it, if they do not."""
+    covered = sum(math.prod(c.sizes) for c in chunks)
+    return None if covered == math.prod(shape) else f"has chunks of {covered} of its {math.prod(shape)} elements"
 
 
 def overlap_problem(chunks: list[Chunk]) -> str | None:

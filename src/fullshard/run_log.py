@@ -1,21 +1,35 @@
 """What a run leaves in --out besides its checkpoint: metrics.jsonl (a line per step),
-loss.png and the closing summary. Rank 0 alone writes them.
+loss.png and the closing summary. Rank 0 alone writes them, inside --out only (Note
+[confined files]: a link planted under one of these names is refused, not followed).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import os
 from pathlib import Path
 from typing import TextIO
 
 from fullshard.errors import FullShardError
+from fullshard.files import Folder
+
+METRICS, PLOT = "metrics.jsonl", "loss.png"
+MAX_METRICS = 1 << 30
 
 
 def read_rows(log: Path) -> list[dict]:
     """The rows of metrics.jsonl. A last line without its newline is one that a killed run
     was writing: it is dropped (the step it logged is trained again after a resume). Any
     other line that is not JSON was damaged by something else, and is an error."""
-    text = log.read_text() if log.is_file() else ""
+    try:
+        with Folder.open(log.parent) as folder:
+            kind = folder.kind(log.name)
+            text = folder.read(log.name, MAX_METRICS, math.inf).decode("utf-8", "replace") if kind else ""
+    except OSError as e:
+        raise FullShardError(f"{log} cannot be read ({e.strerror or e}): it must be a regular file, not a link. "
+                             f"Remove it (it only records the run) and run the same command again") from None
     lines = text.splitlines()
     if text and not text.endswith("\n"):
         lines.pop()
@@ -33,10 +47,10 @@ def read_rows(log: Path) -> list[dict]:
 def open_log(out: Path, start: int) -> TextIO:
     """metrics.jsonl, open for appending the steps after `start` (the step resumed from;
     0: a new run, whose log starts empty). Rows past `start` go: they are trained again."""
-    log = out / "metrics.jsonl"
-    kept = [row for row in read_rows(log) if row["step"] <= start] if start else []
-    log.write_text("".join(json.dumps(row) + "\n" for row in kept))
-    return open(log, "a")
+    kept = [row for row in read_rows(out / METRICS) if row["step"] <= start] if start else []
+    with Folder.open(out) as folder:
+        folder.write_durably(METRICS, "".join(json.dumps(row) + "\n" for row in kept).encode())
+        return os.fdopen(folder.open_existing(METRICS, os.O_WRONLY | os.O_APPEND), "a")
 
 
 def summary(steps: int, rows: list[dict], out: Path) -> str:
@@ -83,5 +97,8 @@ def plot(rows: list[dict], path: Path) -> None:
     memory.set(xlabel="step", ylabel="MB", title="peak memory per rank")
     memory.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
+    with Folder.open(path.parent) as folder:
+        folder.write_durably(path.name, image.getvalue())

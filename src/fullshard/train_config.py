@@ -1,7 +1,12 @@
-"""The options of `fullshard train` (a TrainConfig field per --flag) and their checks.
+"""The options of `fullshard train` (a TrainConfig field per --flag) and their checks, and
+the checks of `fullshard plan`'s.
 
 The checks run in the command's own process before any rank starts, so a bad argument
 ends in one line on stderr and exit status 2 instead of a traceback from every rank.
+Every number has a range, sizes included: a run whose model, gradients, optimizer state
+and activations cannot fit in the memory there is is refused before it starts
+(`memory_problem`), and `plan` refuses a model whose parameters alone exceed the budget,
+so no value makes a command build or allocate without bound.
 """
 
 from __future__ import annotations
@@ -17,6 +22,13 @@ from fullshard.corpus import corpus_sizes
 # the longest --timeout: far below where timedelta and the backends' millisecond
 # clocks overflow (about 1e13 s), far above any real wait
 MAX_TIMEOUT_S = 1e9
+MAX_COUNT = 2**40  # steps, batches, intervals: far above any run, far below int64 and the data seed's range
+MAX_SEED = 2**32 - 1  # the data seed is seed * 1e6 + step, a 64-bit generator seed
+MAX_LAYERS, MAX_WIDTH, MAX_VOCAB, MAX_SEQ = 1024, 1 << 17, 1 << 24, 1 << 24
+MAX_WORLD = 1 << 20
+MAX_LR = 10.0  # AdamW moves each weight by about lr per step: far beyond this a model only diverges
+MAX_SAMPLE = 1_000_000  # --sample-bytes: one forward each, and the sample is held whole
+RUNTIME_BYTES = 150 * 2**20  # what a rank holds before its first tensor (torch, gloo, Python: 250-400 MB here)
 
 
 def opt(default, help: str, **kwargs):
@@ -108,8 +120,11 @@ def choice_problem(cfg: TrainConfig) -> str | None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             return f"unknown {flag(name)} {getattr(cfg, name)!r}; choose one of {', '.join(allowed)}"
-    if cfg.wrap not in ("block", "none") and not cfg.wrap.isdigit():
-        return f"--wrap must be 'block', 'none' or a parameter count, not {cfg.wrap!r}"
+    if cfg.wrap not in ("block", "none") and not (cfg.wrap.isdigit() and 1 <= int(cfg.wrap) <= MAX_COUNT):
+        return f"--wrap must be 'block', 'none' or a parameter count from 1 to {MAX_COUNT}, not {cfg.wrap!r}"
+    for name in ("data", "out"):
+        if getattr(cfg, name) is not None and not getattr(cfg, name).strip():
+            return f"{flag(name)} is empty; pass a path (or leave the option out for its default)"
     if cfg.plan == "auto" and parse_bytes(cfg.memory_budget) is None:
         return f"--plan auto needs --memory-budget as a size like 2GiB or 500MB, got {cfg.memory_budget!r}"
     return None
@@ -117,12 +132,15 @@ def choice_problem(cfg: TrainConfig) -> str | None:
 
 def number_problem(cfg: TrainConfig) -> str | None:
     """A number out of its range; NaN and infinity are out of every range."""
-    for name in ("steps", "global_batch", "grad_accum", "seq_len", "eval_batches", "eval_interval"):
-        if getattr(cfg, name) < 1:
-            return f"{flag(name)} must be at least 1, got {getattr(cfg, name)}"
-    for name in ("nproc", "ckpt_interval", "limit_all_gathers", "warmup", "sample_bytes", "max_restarts"):
-        if getattr(cfg, name) < 0:
-            return f"{flag(name)} must not be negative, got {getattr(cfg, name)}"
+    for name in ("steps", "global_batch", "grad_accum", "eval_batches", "eval_interval"):
+        if (problem := range_problem(name, getattr(cfg, name), 1, MAX_COUNT)) is not None:
+            return problem
+    for name in ("nproc", "ckpt_interval", "limit_all_gathers", "warmup", "max_restarts"):
+        if (problem := range_problem(name, getattr(cfg, name), 0, MAX_COUNT)) is not None:
+            return problem
+    for name, low, high in (("seq_len", 1, MAX_SEQ), ("sample_bytes", 0, MAX_SAMPLE), ("seed", 0, MAX_SEED)):
+        if (problem := range_problem(name, getattr(cfg, name), low, high)) is not None:
+            return problem
     for name in ("lr", "min_lr", "weight_decay", "clip", "timeout"):
         if not math.isfinite(getattr(cfg, name)):
             return f"{flag(name)} must be a finite number, got {getattr(cfg, name)}"
@@ -130,14 +148,28 @@ def number_problem(cfg: TrainConfig) -> str | None:
         return f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {cfg.timeout}"
     if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.clip < 0 or cfg.weight_decay < 0:
         return "--lr must be positive; --min-lr, --clip and --weight-decay must not be negative"
+    for name in ("lr", "min_lr", "weight_decay"):
+        if getattr(cfg, name) > MAX_LR:
+            return f"{flag(name)} must be at most {MAX_LR:g} (AdamW moves each weight by about lr per step), got " \
+                   f"{getattr(cfg, name):g}"
+    return None
+
+
+def range_problem(name: str, value: int, low: int, high: int) -> str | None:
+    if value < low:
+        return f"{flag(name)} must be at least {low}, got {value}" if low else \
+            f"{flag(name)} must not be negative, got {value}"
+    if value > high:
+        return f"{flag(name)} must be at most {high}, got {value}"
     return None
 
 
 def dims_problem(dims: dict[str, int]) -> str | None:
-    """GPT dimensions that cannot build a model."""
-    for name in ("n_layer", "n_embd", "n_head"):
-        if dims[name] < 1:
-            return f"{flag(name)} must be at least 1, got {dims[name]}"
+    """GPT dimensions that cannot build a model, or not one this command builds (beyond the
+    largest published models' depth and width)."""
+    for name, high in (("n_layer", MAX_LAYERS), ("n_embd", MAX_WIDTH), ("n_head", MAX_WIDTH)):
+        if (problem := range_problem(name, dims[name], 1, high)) is not None:
+            return problem
     if dims["n_embd"] % dims["n_head"]:
         return f"--n-head {dims['n_head']} must divide the width (--n-embd {dims['n_embd']}) into equal heads"
     return None
@@ -147,13 +179,75 @@ def data_problem(cfg: TrainConfig) -> str | None:
     """--data that is missing, or too short for one sequence in each of its two parts."""
     from pathlib import Path
 
-    if cfg.data is not None and not Path(cfg.data).exists():
-        return f"--data {cfg.data}: no such file or directory"
-    train, val = corpus_sizes(cfg.data)
+    try:
+        if cfg.data is not None and not Path(cfg.data).exists():
+            return f"--data {cfg.data}: no such file or directory"
+        train, val = corpus_sizes(cfg.data)
+    except OSError as e:
+        return f"--data {cfg.data[:200]}: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}; pass a " \
+               f"text file or a directory of them"
     if min(train, val) < cfg.seq_len + 2:
         return (f"--data {cfg.data}: {train + val} bytes is too little text: its training and validation parts "
                 f"({train} and {val} bytes) must each hold a sequence of --seq-len {cfg.seq_len} and one byte more. "
                 f"Pass more text or a smaller --seq-len")
+    return None
+
+
+def memory_problem(cfg: TrainConfig, world: int, available: int, where: str) -> str | None:
+    """A run that cannot fit in `available` bytes (for `world` ranks): its parameters' shards,
+    gradients and AdamW state (16 bytes a parameter over the ranks), the activations of one
+    micro-batch (at least 8 floats per token per block, and the logits) and each rank's
+    runtime; a lower bound, so a run refused here could not have run."""
+    from fullshard.gpt import GPTConfig, parameter_count
+
+    dims = gpt_dims(cfg)
+    params = parameter_count(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
+    tokens = max(1, cfg.global_batch // (world * cfg.grad_accum)) * cfg.seq_len
+    per_rank = RUNTIME_BYTES + 16 * params // world + 4 * tokens * (8 * dims["n_embd"] * dims["n_layer"] + 2 * 256)
+    if per_rank * world <= available:
+        return None
+    return (f"this run needs at least {per_rank / 2**30:.2f} GiB per rank, {per_rank * world / 2**30:.1f} GiB for "
+            f"{world} ranks ({params / 1e6:,.1f}M parameters at 16 bytes each over the ranks for weights, gradients "
+            f"and AdamW state, activations of {tokens} tokens per micro-batch, {RUNTIME_BYTES >> 20} MB of runtime "
+            f"per rank), more than the {available / 2**30:.1f} GiB {where}. Train a smaller model (--preset, "
+            f"--n-layer, --n-embd), on fewer tokens per micro-batch (--global-batch, --seq-len, --grad-accum), or "
+            f"with fewer ranks here")
+
+
+def available_memory() -> int:
+    """Bytes of host memory free for new processes (MemAvailable on Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_problem(args: argparse.Namespace, budget: int | None) -> str | None:
+    """What is wrong with `fullshard plan`'s arguments, in one line; None when nothing is."""
+    from fullshard.gpt import PRESETS, GPTConfig, parameter_count
+
+    if args.preset not in PRESETS:
+        return f"unknown --preset {args.preset!r}; choose one of {', '.join(PRESETS)}"
+    if budget is None:
+        return f"--memory-budget must be a size like 2GiB or 500MB, got {args.memory_budget!r}"
+    for name, high in (("vocab", MAX_VOCAB), ("seq_len", MAX_SEQ), ("batch", MAX_COUNT), ("world_size", MAX_WORLD)):
+        if (problem := range_problem(name, getattr(args, name), 1, high)) is not None:
+            return problem
+    dims = gpt_dims(args)
+    if (problem := dims_problem(dims)) is not None:
+        return problem
+    params = parameter_count(GPTConfig(block_size=args.seq_len, vocab_size=args.vocab, **dims))
+    if 2 * params > 1000 * budget * args.world_size:  # beyond any plan (which says how far over a near miss is)
+        return (f"a GPT of {params / 1e6:,.1f}M parameters cannot fit in {args.world_size} ranks of --memory-budget "
+                f"{args.memory_budget}: its parameters alone, in bf16 and sharded over every rank, take "
+                f"{2 * params / args.world_size / 2**30:.2f} GiB per rank. Pass a larger budget or --world-size, or "
+                f"a smaller model")
     return None
 
 

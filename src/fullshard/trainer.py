@@ -30,7 +30,7 @@ from fullshard.collectives import all_reduce_
 from fullshard.corpus import batch_offsets, batch_rows, corpus
 from fullshard.errors import FullShardError
 from fullshard.gpt import GPT, Block, GPTConfig
-from fullshard.launcher import LAUNCHER_PID, die_with_launcher, hold_run_dir
+from fullshard.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.run_log import open_log, plot, read_rows, summary
 from fullshard.runtime import CollectiveError
 from fullshard.train_config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes
@@ -101,7 +101,12 @@ def join_job(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     timeout = timedelta(seconds=cfg.timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        if STORE_FILE in os.environ:  # a local run (Note [local launch])
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.FileStore(os.environ[STORE_FILE], world)
+            store.set_timeout(timeout)
+        else:
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 store=dist.PrefixStore(f"fullshard/attempt-{attempt}", store),
                                 timeout=timeout + NCCL_WATCHDOG_GRACE if cuda else timeout)
@@ -168,6 +173,9 @@ def resume(run: Run, ckpt: Path) -> int:
     if not (run.cfg.resume and (ckpt / "LATEST").is_file()):
         return 0
     start = fullshard.load(ckpt, run.model, run.optimizer)["step"]
+    if start is None:
+        raise FullShardError(f"the checkpoint in {ckpt} records no step (it was not saved by fullshard train), so "
+                             f"the run cannot know where to resume. Pass --no-resume, or another --out")
     if run.rank == 0:
         print(f"resumed from {fullshard.checkpoint_dir(ckpt)} at step {start}", flush=True)
     return start
