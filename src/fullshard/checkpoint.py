@@ -49,7 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fullshard import dcp_format, manifest
 from fullshard.collectives import all_gather_json
-from fullshard.errors import FullShardError, fail, require
+from fullshard.errors import EveryRankError, FullShardError, fail, require
 from fullshard.files import Folder, Overdue, View, Writer
 from fullshard.manifest import MAX_INT, Chunk, Contents, SavedTensor
 from fullshard.mesh import timed_group
@@ -94,8 +94,8 @@ def agree(what: str, phase: str, timeout: timedelta, report: dict, *, nothing_ch
     failed = outcome.first_error()
     if failed is not None:
         rank, message = failed
-        message = message if rank == dist.get_rank() else f"rank {rank}: {message}"
-        raise FullShardError(f"{message}. {fix}" if fix else message)
+        message = message if message.startswith("rank ") else f"rank {rank}: {message}"
+        raise EveryRankError(f"{message}. {fix}" if fix else message)
     return outcome
 
 

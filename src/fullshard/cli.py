@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from fullshard.errors import FullShardError
+from fullshard.errors import EveryRankError, FullShardError
 from fullshard.launcher import LAUNCHER_PID, hold_run_dir, launch
 # TrainConfig and nonfinite_policy are also imported from here (tests/test_gpu_paths.py)
 from fullshard.train_config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if LAUNCHER_PID in os.environ or all(var in os.environ for var in TORCHRUN_VARS):  # one rank of a job
         try:
             return train(cfg)
-        except FullShardError as e:  # what went wrong and how to fix it, in one line
-            print(f"fullshard: error: {e}", file=sys.stderr, flush=True)
+        except FullShardError as e:  # what went wrong and how to fix it, in one line (one rank's, when all agree)
+            if os.environ.get("RANK") == "0" or not isinstance(e, EveryRankError):
+                print(f"fullshard: error: {e}", file=sys.stderr, flush=True)
             return 3
     return start_local_run(cfg, argv)
 

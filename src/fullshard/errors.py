@@ -8,6 +8,11 @@ class FullShardError(ValueError):
     """
 
 
+class EveryRankError(FullShardError):
+    """A FullShardError every rank raises with the same message (an agreement found it), so one
+    rank saying it is enough."""
+
+
 def fail(what: str, fix: str) -> FullShardError:
     """Build the error for `what` went wrong, ending with how to `fix` it."""
     return FullShardError(f"{what}. {fix}")
