@@ -91,7 +91,11 @@ class Folder:
 
     def open_read(self, entry: str) -> int:
         """A descriptor of the regular file `entry`; OSError for anything else."""
-        fd = os.open(entry, os.O_RDONLY | os.O_NONBLOCK | NO_LINK, dir_fd=self.fd)
+        return self.open_regular(entry, os.O_RDONLY | os.O_NONBLOCK)
+
+    def open_regular(self, entry: str, flags: int) -> int:
+        """`entry` opened with `flags`, never through a link; OSError unless it is a regular file."""
+        fd = os.open(entry, flags | NO_LINK, 0o644, dir_fd=self.fd)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(f"{self.path / entry} is not a regular file")
@@ -139,14 +143,6 @@ class Folder:
         with self.create(entry) as out:
             out.write(data)
             out.commit()
-
-    def open_existing(self, entry: str, flags: int) -> int:
-        """A descriptor of the regular file `entry`, created if missing, never through a link."""
-        fd = os.open(entry, flags | os.O_CREAT | NO_LINK, 0o644, dir_fd=self.fd)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(f"{self.path / entry} is not a regular file")
-        return fd
 
     def remove_tree(self, entry: str) -> None:
         """Delete the subdirectory `entry` and what is in it (a link there is removed, not followed)."""

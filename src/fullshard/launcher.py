@@ -170,7 +170,7 @@ def hold_run_dir(out: Path) -> TextIO:
         if out.exists() and not out.is_dir():
             raise FullShardError(f"--out {out} is a file. Pass a directory (it is created if missing)")
         with Folder.open(out, create=True) as folder:
-            lock = os.fdopen(folder.open_existing(".lock", os.O_RDWR), "r+")
+            lock = os.fdopen(folder.open_regular(".lock", os.O_RDWR | os.O_CREAT), "r+")
     except (OSError, ValueError) as e:  # ValueError: a NUL in the path
         why = f"{e.strerror}: {e.filename}" if getattr(e, "strerror", None) else str(e)
         raise FullShardError(f"--out {str(out)[:200]} cannot hold a run ({why[:300]}; a .lock there must be a regular "

@@ -50,7 +50,7 @@ def open_log(out: Path, start: int) -> TextIO:
     kept = [row for row in read_rows(out / METRICS) if row["step"] <= start] if start else []
     with Folder.open(out) as folder:
         folder.write_durably(METRICS, "".join(json.dumps(row) + "\n" for row in kept).encode())
-        return os.fdopen(folder.open_existing(METRICS, os.O_WRONLY | os.O_APPEND), "a")
+        return os.fdopen(folder.open_regular(METRICS, os.O_WRONLY | os.O_APPEND), "a")
 
 
 def summary(steps: int, rows: list[dict], out: Path) -> str:
