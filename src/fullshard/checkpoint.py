@@ -53,7 +53,6 @@ from fullshard.errors import EveryRankError, FullShardError, fail, require
 from fullshard.files import Folder, Overdue, View, Writer
 from fullshard.manifest import MAX_INT, Chunk, Contents, SavedTensor
 from fullshard.mesh import timed_group
-from fullshard.runtime import CollectiveError
 from fullshard.state_dict import (check_names_and_shapes, check_optimizer, check_path, get_state_dict,
                                   load_model_state, load_optimizer_state, new_like, optimizer_template, reshard_all,
                                   state_entries, value_of)
@@ -85,7 +84,7 @@ def agree(what: str, phase: str, timeout: timedelta, report: dict, *, nothing_ch
     try:
         outcome = Outcome(all_gather_json(report, device=torch.device("cpu"), timeout=timeout,
                                           group=timed_group(timeout)))
-    except CollectiveError as e:
+    except RuntimeError as e:  # CollectiveError, or a backend's error for a lost peer raised at the issue
         raise fail(f"rank {dist.get_rank()}: {what} did not finish {phase}: another rank did not take part within "
                    f"{timeout.total_seconds():g} s (it stopped, died or made another call; {str(e)[:200]}); "
                    f"{nothing_changed}",
