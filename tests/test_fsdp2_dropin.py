@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fullshard
+from fullshard.api import NOT_OFFERED
 from fullshard.gpt import Block
 from tests.models import tiny_gpt, token_batch
 from tests.reference import ADAMW_TOL, LOSS_TOL, SGD_TOL, full_state, max_diff
@@ -298,6 +299,36 @@ def methods_job() -> dict:
     fullshard.share_comm_ctx([kept, model])  # fullshard's streams are the process's already
     out["share not a unit"] = raises(lambda: fullshard.share_comm_ctx([nn.Linear(2, 2)]))
     return out
+
+
+def torch_methods() -> list[str]:
+    """Every method torch's FSDPModule defines (a new torch's included), private ones too."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name for name, value in vars(FSDPModule).items() if callable(value) or isinstance(value, staticmethod)]
+
+
+def torch_class_job() -> dict:
+    """Note [torch's FSDPModule]: a fullshard unit is one of torch's FSDPModules, and each of the
+    methods torch's class defines is fullshard's: it works, or refuses by name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.manual_seed(0)
+    model = fullshard.shard_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), wrap={nn.Linear})
+    sliced = model[0:1]  # nn.Sequential slicing constructs a module of the swapped class anew
+    return {"isinstance": [isinstance(m, FSDPModule) for m in (model, model[0], model[1])],
+            "falls through": [n for n in torch_methods() if n not in vars(fullshard.FSDPModule)],
+            "state": raises(lambda: model._get_fsdp_state()),
+            "not offered": {n: bool(raises(lambda: getattr(model, n)(None))) for n in NOT_OFFERED},
+            "sliced": type(sliced).__name__, "async hint": raises(lambda: model._set_unshard_async_op(True))}
+
+
+def test_units_are_torchs_fsdpmodules_and_no_method_falls_through_to_torchs(world2):
+    for got in world2.run(torch_class_job):
+        assert got["isinstance"] == [True, True, True]
+        assert got["falls through"] == [], f"torch's FSDPModule has methods fullshard lacks: {got['falls through']}"
+        assert "keeps no FSDP2 state object" in got["state"] and all(got["not offered"].values())
+        assert got["sliced"] == "Sequential" and got["async hint"] == ""
 
 
 def test_fsdp2_methods_do_what_fsdp2_documents(world2):

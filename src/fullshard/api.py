@@ -12,6 +12,7 @@ from typing import Iterable
 import torch
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -70,11 +71,40 @@ def not_offered(name: str, why: str):
     return method
 
 
-class FSDPModule:
-    """Mixin of every module passed to ``fully_shard``; its class becomes ``FSDP<Original>``."""
+class FSDPModule(TorchFSDPModule):
+    """Mixin of every module passed to ``fully_shard``; its class becomes ``FSDP<Original>``.
+
+    # Note [torch's FSDPModule]: it subclasses torch's FSDPModule, so frameworks that find
+    # FSDP2's units with isinstance (Lightning Fabric's no_backward_sync, torchtitan's
+    # chunked loss, the HF Trainer's reshard before building the optimizer) find fullshard's.
+    # Every method torch's class defines is defined here again, doing fullshard's thing or
+    # raising a named refusal (NOT_OFFERED), so none falls through to torch's code, which
+    # reads FSDP2's own state; tests/test_fsdp2_dropin.py checks the list against torch's
+    # class, so a method a new torch adds fails a test instead of falling through.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        """Constructing a module of a swapped class (e.g. nn.Sequential slicing builds
+        ``self.__class__(...)``) builds one of the original class, unsharded, as FSDP2 does."""
+        original = next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
 
     def _unit(self) -> Unit:
         return unit_hooks(self).unit
+
+    def _get_fsdp_state(self) -> None:
+        """FSDP2's private state object; fullshard has none of its kind."""
+        raise fail(f"{type(self).__name__} is sharded by fullshard, which keeps no FSDP2 state object "
+                   f"(_get_fsdp_state, fully_shard.state)", "Use the FSDPModule methods (README's API table); "
+                   "code reaching into FSDP2's internals does not run on fullshard.")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2's switch to issue the pre-forward all-gather without waiting; fullshard's gathers are
+        always issued asynchronously and prefetched, so this changes nothing."""
+        if not isinstance(async_op, bool):
+            raise fail(f"_set_unshard_async_op({async_op!r}) takes a bool", "Pass True or False.")
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this unit's full parameters now (e.g. before a forward the hooks cannot see).
@@ -306,7 +336,7 @@ class FSDPModule:
         move the unit after them, in their dtype (a meta-built unit gets real storage here, which
         the user's init then fills). Storages are told apart by identity: an empty shard (a rank
         holding no row) has no data pointer, as a meta one has none."""
-        module = super()._apply(fn, recurse)
+        module = super(TorchFSDPModule, self)._apply(fn, recurse)  # torch's own reads FSDP2's state
         unit = self._unit()
         moved = [p.local_shard() for p in unit.params]  # a module group's members move their own in turn
         if any(not local.is_meta and local.untyped_storage()._cdata != shard.untyped_storage()._cdata
