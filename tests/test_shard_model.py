@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,8 +11,9 @@ from torch import nn
 
 import fullshard
 from fullshard.gpt import Block
-from tests.models import gpt_loss, model_spec
-from tests.reference import assert_parity, parity
+from tests.models import gpt_loss, hybrid_mesh, model_spec
+from tests.reference import (ADAMW_TOL, LOSS_TOL, SGD_TOL, assert_parity, full_state, global_batches,
+                             make_optimizer, max_diff, parity, train)
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 
@@ -57,6 +60,47 @@ def test_wrap_policies_and_strategies_match_single_process(world2, strategy, wra
             assert units == [""]
         want = "(Replicate(),)" if strategy == "no_shard" else "(Shard(dim=0),)"
         assert want in results[0]["placements"]
+
+
+def inference_job(strategy: str, optimizer: str) -> dict:
+    """Note [inference mode]: evaluations under torch.inference_mode() before the first step,
+    between steps and after the last, against the same model in one process: training goes on
+    as the reference's, and every evaluation computes what the reference computes then."""
+    factory, batch_fn, loss_fn, units = model_spec("gpt")
+    torch.manual_seed(0)
+    model = factory()
+    reference = copy.deepcopy(model)
+    mesh = hybrid_mesh(dist.get_world_size(), 1) if strategy == "hybrid_shard" else None
+    fullshard.shard_model(model, wrap=units, strategy=strategy, mesh=mesh)
+    opt, ref_opt = make_optimizer(optimizer, model), make_optimizer(optimizer, reference)
+    batches = global_batches(batch_fn, 3, 8)
+    evaluated = batches[0][0]  # the whole global batch, on every rank
+    outputs, losses = [], []
+    for i, batch in enumerate([*batches, None]):
+        with torch.inference_mode():
+            outputs.append((model(evaluated) - reference(evaluated)).abs().max().item())
+            if i == 1:  # the other ways in under inference mode: full_params, and unshard by hand
+                with fullshard.full_params(model, writeback=False):
+                    outputs.append((model(evaluated) - reference(evaluated)).abs().max().item())
+                model.unshard()
+                model.reshard()
+        if batch is not None:
+            losses.append(train(model, opt, [batch], loss_fn, world=dist.get_world_size())[0]
+                          - train(reference, ref_opt, [batch], loss_fn)[0])
+    return {"outputs": outputs, "loss": max(abs(d) for d in losses),
+            "param": max_diff(full_state(model), full_state(reference))}
+
+
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "hybrid_shard"])
+def test_inference_mode_evaluations_before_between_and_after_steps_train_on(world2, strategy):
+    for optimizer in ("sgd", "adamw"):
+        for got in world2.run(inference_job, strategy=strategy, optimizer=optimizer):
+            # before any step: the same weights on the same batch, computed alike
+            assert got["outputs"][0] == 0.0, got
+            # after steps: the parameters' parity (SGD/ADAMW_TOL) carried through a forward of
+            # logits of magnitude ~1, so a few times the parameter tolerance
+            assert max(got["outputs"]) <= 10 * (SGD_TOL if optimizer == "sgd" else ADAMW_TOL), got
+            assert got["loss"] <= LOSS_TOL and got["param"] <= (SGD_TOL if optimizer == "sgd" else ADAMW_TOL), got
 
 
 @pytest.mark.parametrize("model", ["hf_gpt2", "hf_llama", "situations"])

@@ -20,7 +20,7 @@ from fullshard import runtime
 from fullshard.collectives import all_gather_ints, all_gather_json
 
 from fullshard.errors import fail
-from fullshard.hooks import HOOKS_ATTR, Phase, Schedule, UnitHooks, unit_hooks, units_under
+from fullshard.hooks import HOOKS_ATTR, Phase, Schedule, UnitHooks, normal_tensors, unit_hooks, units_under
 from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group, spmd_dp_mesh
 from fullshard.param import local_values
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -40,6 +40,7 @@ class UnshardHandle:
     def __init__(self, unit: Unit) -> None:
         self._unit = unit
 
+    @normal_tensors
     def wait(self) -> None:
         self._unit.wait_unshard()
 
@@ -106,6 +107,7 @@ class FSDPModule(TorchFSDPModule):
         if not isinstance(async_op, bool):
             raise fail(f"_set_unshard_async_op({async_op!r}) takes a bool", "Pass True or False.")
 
+    @normal_tensors
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this unit's full parameters now (e.g. before a forward the hooks cannot see).
 
@@ -119,6 +121,7 @@ class FSDPModule(TorchFSDPModule):
         unit.wait_unshard()
         return None
 
+    @normal_tensors
     def reshard(self) -> None:
         """Free this unit's full parameters; the modules hold the shards again."""
         self._unit().reshard()

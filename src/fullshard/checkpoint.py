@@ -51,6 +51,7 @@ from fullshard import dcp_format, manifest
 from fullshard.collectives import all_gather_json
 from fullshard.errors import EveryRankError, FullShardError, fail, require
 from fullshard.files import Folder, Overdue, View, Writer
+from fullshard.hooks import normal_tensors
 from fullshard.manifest import MAX_INT, Chunk, Contents, SavedTensor
 from fullshard.mesh import timed_group
 from fullshard.state_dict import (check_names_and_shapes, check_optimizer, check_path, get_state_dict,
@@ -112,6 +113,7 @@ def problem_of(error: Exception) -> str:
 # ---- save -----------------------------------------------------------------------------------------
 
 
+@normal_tensors
 def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          step: int | None = None, extra: Any = None) -> None:
     """Save a sharded checkpoint (every rank writes its shards), atomically.
@@ -397,6 +399,7 @@ def checkpoint_dir(path: str | Path) -> Path:
         return folder.path
 
 
+@normal_tensors
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a checkpoint written by ``save`` (at any world size, under any strategy) or a
     plain DCP directory with "model" (and "optim") entries.

@@ -13,6 +13,7 @@ from torch import nn
 
 from fullshard.checkpoint import agree, os_problem
 from fullshard.files import Folder
+from fullshard.hooks import normal_tensors
 from fullshard.param import ShardedParam
 from fullshard.state_dict import check_path, reshard_all, state_entries, value_of
 from fullshard.training import units_of
@@ -22,6 +23,7 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
                       torch.bool: "BOOL"}
 
 
+@normal_tensors
 def export(model: nn.Module, path: str | os.PathLike) -> None:
     """Write the full weights (the unwrapped model's state dict) as one safetensors file.
 

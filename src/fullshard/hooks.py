@@ -44,17 +44,29 @@
 # a recorded-order prefetch stops at `limit` of them, which bounds the full parameters
 # alive at once to the units in use plus `limit`. Reductions overlap too: a unit's
 # reduce-scatter is issued at its post-backward and waited for at the next unit's.
+#
+# Note [inference mode]: a tensor made under torch.inference_mode() can never be written in
+# place outside it, and fullshard keeps tensors across steps (communication buffers in
+# its pool, the 1/k copy after forward, gradient flags) and writes them in place at the
+# next step. So every hook, and every entry point a user may call under inference mode
+# (unshard, full_params), runs fullshard's own work with inference mode off and
+# gradients off (`normal_tensors`): what it makes is an ordinary tensor, and the user's
+# forward under inference mode computes with ordinary full parameters. An evaluation
+# under inference mode then works before the first step, between steps and after the
+# last, as under no_grad.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 from collections import UserDict
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,6 +81,26 @@ from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
 
 HOOKS_ATTR = "_fullshard_hooks"
+
+
+@contextlib.contextmanager
+def ordinary_tensors() -> Iterator[None]:
+    """Inference mode off and gradients off, when inside inference mode (Note [inference mode])."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def normal_tensors(fn: Callable) -> Callable:
+    """`fn` run under ordinary_tensors (Note [inference mode])."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with ordinary_tensors():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def unit_hooks(module: nn.Module) -> UnitHooks | None:
@@ -400,6 +432,7 @@ class UnitHooks:
         return self.ctx
 
     @torch.compiler.disable  # Note [compiled modules]
+    @normal_tensors
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ctx = self.lazy_init()
         if self.shown is not None:  # Note [forward inside full_params]
@@ -446,6 +479,7 @@ class UnitHooks:
         return map_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))
 
     @torch.compiler.disable  # Note [compiled modules]
+    @normal_tensors
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.shown is not None:
             return output

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import runtime
 from fullshard.errors import fail, require
-from fullshard.hooks import units_under
+from fullshard.hooks import normal_tensors, units_under
 from fullshard.mesh import compute_device
 from fullshard.param import ShardedParam
 from fullshard.unit import Unit
@@ -177,6 +177,7 @@ def check_path(path: object, what: str) -> None:
             "Pass e.g. 'checkpoints/run1'.")
 
 
+@normal_tensors
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = True,
                    cpu_offload: bool = True, rank0_only: bool = False) -> tuple[dict, dict]:
     """The model's and the optimizer's state dicts, under the unwrapped model's names.
@@ -277,6 +278,7 @@ def shard_like(param: nn.Parameter, sharded: ShardedParam | None, value: Any) ->
     return sharded.as_dtensor(sharded.rows_of(value).detach().to(sharded.local_shard().device).clone())
 
 
+@normal_tensors
 def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                    model_sd: Mapping[str, torch.Tensor], optim_sd: Mapping[str, Any] | None = None,
                    full: bool = True) -> None:
@@ -305,6 +307,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         load_optimizer_state(model, optimizer, optim_sd)
 
 
+@normal_tensors
 def init_weights_from(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a full (unsharded) state dict, e.g. pretrained weights, into a sharded model.
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from fullshard import runtime
 from fullshard.collectives import all_reduce_
 from fullshard.errors import fail, require
-from fullshard.hooks import Phase, unit_hooks, units_under
+from fullshard.hooks import Phase, ordinary_tensors, unit_hooks, units_under
 from fullshard.mesh import counted_copy
 from fullshard.param import local_values
 from fullshard.stats import Stats
@@ -185,17 +185,18 @@ def full_params(
                    "TP part of the full parameters, and a forward inside runs tensor parallelism as usual.")
     visible = not rank0_only or dist.get_rank() == 0
     shown: list[list[nn.Parameter]] = []
-    for unit in units:
-        unit.adopt_replaced()  # parameters assigned since the last step are what it shows
-    for unit in units:  # one unit at a time, so offloading bounds device memory
-        fulls = unit.gather_masters()
-        if visible:
-            fulls = [nn.Parameter(p.on_tp_mesh(full.cpu() if offload_to_cpu else full),
-                                  requires_grad=p.sharded.requires_grad) for p, full in zip(unit.params, fulls)]
-            for p, full in zip(unit.params, fulls):
-                for module, name in p.slots:
-                    module._parameters[name] = full
-        shown.append(fulls if visible else [])
+    with ordinary_tensors():  # Note [inference mode]
+        for unit in units:
+            unit.adopt_replaced()  # parameters assigned since the last step are what it shows
+        for unit in units:  # one unit at a time, so offloading bounds device memory
+            fulls = unit.gather_masters()
+            if visible:
+                fulls = [nn.Parameter(p.on_tp_mesh(full.cpu() if offload_to_cpu else full),
+                                      requires_grad=p.sharded.requires_grad) for p, full in zip(unit.params, fulls)]
+                for p, full in zip(unit.params, fulls):
+                    for module, name in p.slots:
+                        module._parameters[name] = full
+            shown.append(fulls if visible else [])
     for unit in units:
         unit_hooks(unit.module).shown = visible
     try:
@@ -203,16 +204,17 @@ def full_params(
     finally:
         for unit in units:
             unit_hooks(unit.module).shown = None
-        for unit, fulls in zip(units, shown):
-            for p, full in zip(unit.params, fulls):
+        with ordinary_tensors():
+            for unit, fulls in zip(units, shown):
+                for p, full in zip(unit.params, fulls):
+                    if writeback:
+                        p.write_back(full)
+                    p.to_sharded()
                 if writeback:
-                    p.write_back(full)
-                p.to_sharded()
-            if writeback:
-                unit.reshard()  # a unit kept full would compute with the old values
-            elif unit.state is ShardState.FULL:
-                for p in unit.params:
-                    p.to_full()
+                    unit.reshard()  # a unit kept full would compute with the old values
+                elif unit.state is ShardState.FULL:
+                    for p in unit.params:
+                        p.to_full()
 
 
 class GradScaler(torch.amp.GradScaler):
