@@ -12,10 +12,12 @@ from collections.abc import Mapping, MutableMapping
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard as TORCH_FULLY_SHARD  # a name bound at import, as torchtitan's
 from torch.distributed.tensor import DTensor
 
 import fullshard
 from fullshard.api import NOT_OFFERED
+from fullshard.hooks import unit_hooks
 from fullshard.gpt import Block
 from tests.models import tiny_gpt, token_batch
 from tests.reference import ADAMW_TOL, LOSS_TOL, SGD_TOL, full_state, max_diff
@@ -329,6 +331,56 @@ def test_units_are_torchs_fsdpmodules_and_no_method_falls_through_to_torchs(worl
         assert got["falls through"] == [], f"torch's FSDPModule has methods fullshard lacks: {got['falls through']}"
         assert "keeps no FSDP2 state object" in got["state"] and all(got["not offered"].values())
         assert got["sliced"] == "Sequential" and got["async hint"] == ""
+
+
+def framework_shards(model: nn.Module) -> None:
+    """What a framework does: torch's fully_shard, looked up by attribute when it runs."""
+    import torch.distributed.fsdp
+
+    for block in model.h:
+        torch.distributed.fsdp.fully_shard(block)
+    torch.distributed.fsdp.fully_shard(model)
+
+
+def replace_job() -> dict:
+    """Note [replacing FSDP2]: inside replace_fsdp2, torch's fully_shard (by attribute, and as a
+    name bound at import, here TORCH_FULLY_SHARD) is fullshard's and trains exactly as FSDP2
+    does; FSDP2 models made before go on working; after it, torch's names are torch's again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    x, y = batch()
+
+    def losses(model: nn.Module) -> list[float]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        for _ in range(3):
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    torch.manual_seed(0)
+    theirs = tiny_gpt()
+    framework_shards(theirs)  # torch's FSDP2
+    with fullshard.replace_fsdp2():
+        torch.manual_seed(0)
+        ours = tiny_gpt()
+        framework_shards(ours)
+        torch.manual_seed(0)
+        bound = tiny_gpt()
+        TORCH_FULLY_SHARD(bound)
+        inside = {"ours": unit_hooks(ours) is not None and unit_hooks(bound) is not None,
+                  "torch's FSDP2 alongside": losses(theirs), "fullshard": losses(ours)}
+    return {**inside, "restored": torch.distributed.fsdp.fully_shard is not fullshard.fully_shard
+            and TORCH_FULLY_SHARD is not fullshard.fully_shard, "isinstance": isinstance(ours, FSDPModule)}
+
+
+def test_replace_fsdp2_runs_code_that_calls_torchs_fully_shard_on_fullshard(world2):
+    for got in world2.run(replace_job):
+        assert got["ours"] and got["restored"] and got["isinstance"]
+        assert got["fullshard"] == got["torch's FSDP2 alongside"]  # bitwise: the same arithmetic as FSDP2
 
 
 def test_fsdp2_methods_do_what_fsdp2_documents(world2):

@@ -5,6 +5,7 @@ from fullshard.errors import FullShardError
 from fullshard.planner import Hardware, Plan, apply_plan, plan
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.checkpoint import checkpoint_dir, load, save
+from fullshard.dropin import replace_fsdp2
 from fullshard.export import export
 from fullshard.state_dict import get_state_dict, init_weights_from, set_state_dict
 from fullshard.stats import Stats
@@ -34,6 +35,7 @@ __all__ = [
     "no_sync",
     "plan",
     "register_fsdp_forward_method",
+    "replace_fsdp2",
     "save",
     "set_state_dict",
     "shard_model",
