@@ -9,6 +9,7 @@ import os
 import shutil
 from collections.abc import Mapping, MutableMapping
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -381,6 +382,72 @@ def test_replace_fsdp2_runs_code_that_calls_torchs_fully_shard_on_fullshard(worl
     for got in world2.run(replace_job):
         assert got["ours"] and got["restored"] and got["isinstance"]
         assert got["fullshard"] == got["torch's FSDP2 alongside"]  # bitwise: the same arithmetic as FSDP2
+
+
+class ExpertLayer(nn.Module):
+    """A layer whose "experts" shard over another mesh than its dense part (torchtitan's MoE with
+    expert parallelism passes such placements through shard_placement_fn)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(8, 8)
+        self.experts = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(torch.relu(self.dense(x))).square().mean()
+
+
+def placement_result_job(shard_dim: int) -> dict:
+    """Note [meshes of one call]: a ShardPlacementResult puts a parameter on a mesh of its own,
+    here an HSDP mesh (replicate 2 x shard world/2) for the experts beside the call's 1-D mesh,
+    split along `shard_dim`; 3 SGD steps against torch FSDP2 and one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    mesh_2d = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+    expert_mesh = HSDPMeshInfo(mesh=mesh_2d, shard_mesh_dim=1, replicate_mesh_dim=0)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    local = x.chunk(dist.get_world_size())[dist.get_rank()]
+
+    def train(model: nn.Module, inputs: torch.Tensor) -> list[float]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for _ in range(3):
+            loss = model(inputs)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    models = {}
+    for name in ("fullshard", "torch", "one process"):
+        torch.manual_seed(0)
+        models[name] = ExpertLayer()
+    for name, shard in (("fullshard", fullshard.fully_shard), ("torch", torch_fully_shard)):
+        expert_params = set(models[name].experts.parameters())
+        shard(models[name], shard_placement_fn=lambda p, e=expert_params: ShardPlacementResult(
+            Shard(shard_dim if p.dim() == 2 else 0), expert_mesh) if p in e else None)
+    got = {name: train(model, x if name == "one process" else local) for name, model in models.items()}
+    placements = {n: tuple(p.placements) for n, p in models["fullshard"].named_parameters()}
+    state = {n: p.full_tensor() for n, p in models["fullshard"].named_parameters()}
+    return {"placements": {n: [repr(p) for p in ps] for n, ps in placements.items()},
+            "same as torch": max_diff(state, {n: p.full_tensor() for n, p in models["torch"].named_parameters()}),
+            "reference": max_diff(state, dict(models["one process"].named_parameters())),
+            "meshes": [tuple(p.device_mesh.shape) for p in models["fullshard"].parameters()]}
+
+
+@pytest.mark.parametrize("world, shard_dim", [(2, 0), (4, 0), (4, 1)])
+def test_a_shard_placement_result_shards_a_parameter_over_its_own_mesh(request, world, shard_dim):
+    for got in request.getfixturevalue(f"world{world}").run(placement_result_job, shard_dim=shard_dim):
+        assert got["meshes"] == [(world,), (world,), (2, world // 2), (2, world // 2)]
+        assert got["placements"]["experts.weight"] == ["Replicate()", f"Shard(dim={shard_dim})"]
+        # at 2 ranks a sum of two rows is the same whoever adds it: bitwise FSDP2's; at 4,
+        # gloo's reduce-scatter (FSDP2's) adds in another order than fullshard's rank order
+        assert got["same as torch"] <= (0.0 if world == 2 else SGD_TOL), got
+        assert got["reference"] <= SGD_TOL, got
 
 
 def test_fsdp2_methods_do_what_fsdp2_documents(world2):

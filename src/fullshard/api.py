@@ -20,7 +20,8 @@ from fullshard import runtime
 from fullshard.collectives import all_gather_ints, all_gather_json
 
 from fullshard.errors import fail
-from fullshard.hooks import HOOKS_ATTR, Phase, Schedule, UnitHooks, normal_tensors, unit_hooks, units_under
+from fullshard.hooks import (HOOKS_ATTR, Phase, Schedule, UnitHooks, hooks_for, hooks_on, normal_tensors, unit_hooks,
+                             units_under)
 from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group, spmd_dp_mesh
 from fullshard.param import local_values
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -37,12 +38,13 @@ _optimizer_hook = None  # check_optimizer_step's handle, once registered
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` makes the parameters full."""
 
-    def __init__(self, unit: Unit) -> None:
-        self._unit = unit
+    def __init__(self, units: list[Unit]) -> None:
+        self._units = units
 
     @normal_tensors
     def wait(self) -> None:
-        self._unit.wait_unshard()
+        for unit in self._units:
+            unit.wait_unshard()
 
 
 # FSDP2's FSDPModule methods fullshard does not offer, each with why (set on FSDPModule below it)
@@ -92,9 +94,6 @@ class FSDPModule(TorchFSDPModule):
         module.__init__(*args, **kwargs)
         return module
 
-    def _unit(self) -> Unit:
-        return unit_hooks(self).unit
-
     def _get_fsdp_state(self) -> None:
         """FSDP2's private state object; fullshard has none of its kind."""
         raise fail(f"{type(self).__name__} is sharded by fullshard, which keeps no FSDP2 state object "
@@ -114,17 +113,20 @@ class FSDPModule(TorchFSDPModule):
         Args:
             async_op: return a handle at once and finish when its ``wait()`` is called.
         """
-        unit = self._unit()
-        unit.unshard()
+        units = self._units(False)
+        for unit in units:
+            unit.unshard()
         if async_op:
-            return UnshardHandle(unit)
-        unit.wait_unshard()
+            return UnshardHandle(units)
+        for unit in units:
+            unit.wait_unshard()
         return None
 
     @normal_tensors
     def reshard(self) -> None:
         """Free this unit's full parameters; the modules hold the shards again."""
-        self._unit().reshard()
+        for unit in self._units(False):
+            unit.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn gradient reduction off (accumulate full gradients locally) or back on.
@@ -197,7 +199,7 @@ class FSDPModule(TorchFSDPModule):
                                               post_forward_world=1)
             unit.small_group = None  # an int k given to fully_shard no longer applies
             unit.drop_small()
-            hooks = unit_hooks(unit.module)
+            hooks = hooks_for(unit)
             hooks.free_after_forward = reshard_after_forward and not hooks.is_root
             hooks.keep_if_last = not reshard_after_forward
 
@@ -217,7 +219,8 @@ class FSDPModule(TorchFSDPModule):
         """
         if not isinstance(unshard_in_backward, bool):
             raise fail(f"set_unshard_in_backward({unshard_in_backward!r}) takes a bool", "Pass True or False.")
-        self._unit().unshard_in_backward = unshard_in_backward
+        for unit in self._units(False):
+            unit.unshard_in_backward = unshard_in_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's reduced gradients (not those of units below it, as FSDP2) by `factor`
@@ -229,7 +232,8 @@ class FSDPModule(TorchFSDPModule):
         if not (isinstance(factor, (int, float)) and factor > 0):
             raise fail(f"set_gradient_divide_factor({factor!r}): the factor must be a positive number",
                        "Pass e.g. 1.0 for the sum over ranks.")
-        self._unit().divide_factor = float(factor)
+        for unit in self._units(False):
+            unit.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of ``set_gradient_divide_factor``."""
@@ -267,7 +271,8 @@ class FSDPModule(TorchFSDPModule):
         average; on gloo fullshard always does."""
         if not isinstance(enable, bool):
             raise fail(f"set_force_sum_reduction_for_comms({enable!r}) takes a bool", "Pass True or False.")
-        self._unit().force_sum = enable
+        for unit in self._units(False):
+            unit.force_sum = enable
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these units, in this order, when this unit's forward starts.
@@ -277,7 +282,8 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: modules passed to ``fully_shard`` (units of the same model).
         """
-        unit_hooks(self).forward_targets = hooks_of(modules, "set_modules_to_forward_prefetch")
+        for hooks in hooks_on(self):
+            hooks.forward_targets = hooks_of(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these units, in this order, when this unit's backward starts.
@@ -287,7 +293,8 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: modules passed to ``fully_shard`` (units of the same model).
         """
-        unit_hooks(self).backward_targets = hooks_of(modules, "set_modules_to_backward_prefetch")
+        for hooks in hooks_on(self):
+            hooks.backward_targets = hooks_of(modules, "set_modules_to_backward_prefetch")
 
     def set_timeout(self, seconds: float, *, recurse: bool = True) -> None:
         """Give up on a collective of these units after `seconds` (default 300) with a
@@ -332,7 +339,7 @@ class FSDPModule(TorchFSDPModule):
             unit.nonfinite = policy
 
     def _units(self, recurse: bool) -> list[Unit]:
-        return units_under(self) if recurse else [self._unit()]
+        return units_under(self) if recurse else [hooks.unit for hooks in hooks_on(self)]
 
     def _apply(self, fn, recurse: bool = True) -> nn.Module:
         """Module.to_empty / .to / .double() moved or converted the shards off the unit's storage:
@@ -340,12 +347,13 @@ class FSDPModule(TorchFSDPModule):
         the user's init then fills). Storages are told apart by identity: an empty shard (a rank
         holding no row) has no data pointer, as a meta one has none."""
         module = super(TorchFSDPModule, self)._apply(fn, recurse)  # torch's own reads FSDP2's state
-        unit = self._unit()
-        moved = [p.local_shard() for p in unit.params]  # a module group's members move their own in turn
-        if any(not local.is_meta and local.untyped_storage()._cdata != shard.untyped_storage()._cdata
-               for local, shard in zip(moved, unit.shards)):
-            device = next(local.device for local in moved if not local.is_meta)
-            unit.materialize(unit.group.device if unit.config.offload else device, [local.dtype for local in moved])
+        for unit in self._units(False):
+            moved = [p.local_shard() for p in unit.params]  # a module group's members move their own in turn
+            if any(not local.is_meta and local.untyped_storage()._cdata != shard.untyped_storage()._cdata
+                   for local, shard in zip(moved, unit.shards)):
+                device = next(local.device for local in moved if not local.is_meta)
+                unit.materialize(unit.group.device if unit.config.offload else device,
+                                 [local.dtype for local in moved])
         return module
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -445,20 +453,32 @@ def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims):
     return dp_mesh
 
 
+# Note [meshes of one call]: FSDP2's shard_placement_fn may return a ShardPlacementResult
+# that puts a parameter on a mesh of its own (torchtitan shards MoE experts over the
+# expert-data-parallel mesh, the rest of the block over the data-parallel one, in one
+# fully_shard call). fully_shard then makes one unit per mesh, all of the same modules:
+# the call's own mesh's first, whose hooks run first and which is the root when the
+# module is. Each unit gathers and reduces over its own mesh; the module's hooks are a
+# list (hooks.hooks_on), and every FSDPModule method applies to all of a module's units.
+
+
 def set_split_dims(owned: list[OwnedParam], shard_placement_fn) -> None:
-    """Set the dim each parameter is split along from FSDP2's shard_placement_fn (Note [another
-    dim]): None is Shard(0); a negative dim counts from the last."""
+    """Set the dim each parameter is split along, and the mesh it is sharded over, from FSDP2's
+    shard_placement_fn (Note [another dim], Note [meshes of one call]): None is Shard(0) on the
+    call's mesh; a negative dim counts from the last; a ShardPlacementResult names a mesh too."""
     from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
 
     for o in owned:
         placement = shard_placement_fn(o.param)
+        if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # torch's ShardPlacementResult
+            placement, o.mesh = placement.placement, result_mesh(placement.mesh_info, o.fqn)
         if placement is None:
             continue
         ndim = o.param.dim()
         if type(placement) is not Shard or not -ndim <= placement.dim < max(ndim, 1):
             raise fail(f"shard_placement_fn returned {placement!r} for {o.fqn!r}, a parameter of shape "
                        f"{tuple(o.param.shape)}", f"Return None or Shard(d) with -{ndim} <= d < {ndim} "
-                       "(a 0-d parameter takes None or Shard(0)).")
+                       "(a 0-d parameter takes None or Shard(0)), or a ShardPlacementResult of one.")
         if placement.dim % max(ndim, 1) and isinstance(o.param, DTensor):
             raise fail(f"shard_placement_fn asked for Shard({placement.dim}) for {o.fqn!r}, a tensor-parallel "
                        "DTensor; fullshard splits those along dim 0 only", "Return None for tensor-parallel "
@@ -466,13 +486,26 @@ def set_split_dims(owned: list[OwnedParam], shard_placement_fn) -> None:
         o.dim = placement.dim % max(ndim, 1)
 
 
+def result_mesh(mesh_info, fqn: str):
+    """The DeviceMesh of a ShardPlacementResult's FSDPMeshInfo (1-D: shard over it) or HSDPMeshInfo
+    (replicate over dim 0, shard over dim 1), as fully_shard's `mesh` argument would give it."""
+    mesh = getattr(mesh_info, "mesh", None)
+    shard, replicate = getattr(mesh_info, "shard_mesh_dim", None), getattr(mesh_info, "replicate_mesh_dim", None)
+    layout = (mesh.ndim, shard, replicate) if mesh is not None else None
+    if layout not in ((1, 0, None), (2, 1, 0)) or getattr(mesh_info, "dp_mesh_dims", None) is not None:
+        raise fail(f"shard_placement_fn gave {fqn!r} a mesh of {type(mesh_info).__name__} {layout} (ndim, shard "
+                   f"dim, replicate dim)", "Give an FSDPMeshInfo of a 1-D mesh (shard_mesh_dim=0), or an "
+                   "HSDPMeshInfo of a 2-D mesh (replicate_mesh_dim=0, shard_mesh_dim=1).")
+    return mesh
+
+
 def reshard_for_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """model.state_dict() between steps returns the shards, also of a unit a forward left full
     (the root's, kept for a backward that has not come) or whose parameters were assigned."""
-    hooks = unit_hooks(module)
-    if hooks.phase is Phase.IDLE and hooks.shown is None:
-        hooks.unit.reshard()
-        hooks.unit.adopt_replaced()
+    for hooks in hooks_on(module):
+        if hooks.phase is Phase.IDLE and hooks.shown is None:
+            hooks.unit.reshard()
+            hooks.unit.adopt_replaced()
 
 
 def reshard_for_load(module: nn.Module, *args) -> None:
@@ -483,9 +516,9 @@ def reshard_for_load(module: nn.Module, *args) -> None:
 def adopt_loaded(module: nn.Module, incompatible_keys) -> None:
     """After load_state_dict(assign=True): what it assigned becomes the shards at once, so the
     parameters an optimizer is built from next, full_params and clipping see are the unit's."""
-    hooks = unit_hooks(module)
-    if hooks.phase is Phase.IDLE and hooks.shown is None:
-        hooks.unit.adopt_replaced()
+    for hooks in hooks_on(module):
+        if hooks.phase is Phase.IDLE and hooks.shown is None:
+            hooks.unit.adopt_replaced()
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -500,12 +533,16 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(module, FSDPModule):
         raise fail(f"register_fsdp_forward_method needs a unit, got a {type(module).__name__}",
                    "Call fully_shard (or shard_model) on the module first.")
-    hooks, original = unit_hooks(module), getattr(module, method_name)
+    every, original = hooks_on(module), getattr(module, method_name)
 
     @functools.wraps(original)
     def wrapped(*args, **kwargs):
-        args, kwargs = hooks.pre_forward(module, args, kwargs)
-        return hooks.post_forward(module, args, original(*args, **kwargs))
+        for hooks in every:
+            args, kwargs = hooks.pre_forward(module, args, kwargs)
+        output = original(*args, **kwargs)
+        for hooks in reversed(every):
+            output = hooks.post_forward(module, args, output)
+        return output
 
     setattr(module, method_name, wrapped)
 
@@ -527,7 +564,7 @@ def hooks_of(modules: list[nn.Module], what: str) -> list[UnitHooks]:
     if others:
         raise fail(f"{what} was given modules that are not units: {others}",
                    "Pass modules that fully_shard (or shard_model) made into units.")
-    return [unit_hooks(m) for m in modules]
+    return [hooks for m in modules for hooks in hooks_on(m)]
 
 
 def move_buffers(module: nn.Module, device: torch.device) -> None:
@@ -687,6 +724,21 @@ def compare_ranks(what: str, described: list[tuple], sums: list[int], device: to
                "shard with fullshard.shard_model(model, ..., sync_module_states=True) to make rank 0's values win.")
 
 
+def after_forward(reshard_after_forward: bool | int, group: ShardGroup) -> tuple[bool, int]:
+    """(free after forward, the post-forward world of Note [smaller world after forward]) of a
+    unit over `group` for fully_shard's `reshard_after_forward`."""
+    if type(reshard_after_forward) is not int:
+        return reshard_after_forward, 1
+    k = reshard_after_forward
+    if k not in (1, group.world) and group.mesh.size() != torch.distributed.get_world_size():
+        raise fail(f"reshard_after_forward={k} on a data-parallel mesh of part of the ranks",
+                   "Pass True or False with a sub-mesh (e.g. with tensor parallelism).")
+    if not 1 <= k <= group.world or group.world % k:
+        raise fail(f"reshard_after_forward={k} does not divide the {group.world} ranks parameters are "
+                   f"sharded over", f"Pass a divisor of {group.world}, e.g. the ranks per node.")
+    return k > 1, 1 if k == group.world else k  # k = world is True; k = 1 keeps everything
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -729,7 +781,9 @@ def fully_shard(
             always frees them.
         shard_placement_fn: FSDP2's per-parameter placement: a function of each parameter
             returning ``Shard(d)`` to split it along dim d (a negative d counts from the
-            last), or ``None`` for ``Shard(0)``.
+            last), ``None`` for ``Shard(0)``, or torch's ``ShardPlacementResult(placement,
+            mesh_info)`` to shard it over another mesh as well (an ``FSDPMeshInfo`` of a 1-D
+            mesh, or an ``HSDPMeshInfo`` of a 2-D one; Note [meshes of one call]).
         mp_policy: a :class:`MixedPrecisionPolicy` (torch's own is taken too).
         offload_policy: a :class:`CPUOffloadPolicy`, or :class:`OffloadPolicy` for none
             (torch's own are taken too).
@@ -778,39 +832,41 @@ def fully_shard(
             raise fail("fully_shard(dp_mesh_dims=...) needs the full mesh", "Pass mesh=the mesh the parameters "
                        "are DTensors on, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\")).")
         mesh = from_spmd_mesh(owned, mesh, dp_mesh_dims)
-    group = shard_group(mesh)
-    check_owned(what, owned, group)
-    check_ranks_agree(f"this {what}",
-                      [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad, o.dim) for o in owned],
-                      bit_sums([local_values(o.param) for o in owned]), group.device, dp_groups(group))
-    post_forward_world = 1
-    if type(reshard_after_forward) is int:
-        k = reshard_after_forward
-        if k not in (1, group.world) and group.mesh.size() != torch.distributed.get_world_size():
-            raise fail(f"reshard_after_forward={k} on a data-parallel mesh of part of the ranks",
-                       "Pass True or False with a sub-mesh (e.g. with tensor parallelism).")
-        if not 1 <= k <= group.world or group.world % k:
-            raise fail(f"reshard_after_forward={k} does not divide the {group.world} ranks parameters are "
-                       f"sharded over", f"Pass a divisor of {group.world}, e.g. the ranks per node.")
-        post_forward_world = 1 if k == group.world else k  # k = world is True; k = 1 keeps everything
-        reshard_after_forward = k > 1
+    primary = shard_group(mesh)
+    parts = [(primary, [o for o in owned if o.mesh is None or o.mesh == primary.mesh])]  # Note [meshes of one call]
+    for o in owned:
+        if o.mesh is not None and o.mesh != primary.mesh:
+            part = next((p for sg, p in parts if sg.mesh == o.mesh), None)
+            if part is None:
+                parts.append((shard_group(o.mesh), part := []))
+            part.append(o)
+    for group, part in parts:
+        check_owned(what, part, group)
+        check_ranks_agree(f"this {what}",
+                          [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad, o.dim)
+                           for o in part], bit_sums([local_values(o.param) for o in part]), group.device,
+                          dp_groups(group))
     mp = mp_policy or MixedPrecisionPolicy()
-    config = UnitConfig(
-        free_after_forward=reshard_after_forward,
-        post_forward_world=post_forward_world,
-        param_dtype=mp.param_dtype,
-        reduce_dtype=mp.reduce_dtype,
-        input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
-        output_dtype=mp.output_dtype,
-        offload=isinstance(offload_policy, CPUOffloadPolicy),
-        pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
-    )
-    unit = Unit(modules, owned, group, config)
+    units = []
+    for group, part in parts:
+        free, post_forward_world = after_forward(reshard_after_forward, group)
+        config = UnitConfig(
+            free_after_forward=free,
+            post_forward_world=post_forward_world,
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
+            output_dtype=mp.output_dtype,
+            offload=isinstance(offload_policy, CPUOffloadPolicy),
+            pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
+        )
+        units.append(Unit(modules, part, group, config))
     for o in owned:
         _OWNER[o.param] = f"{what} (as {o.fqn!r})"
-    hooks = UnitHooks(unit, _schedule)
+    # the call's own mesh's unit hooks the modules last, so its pre-forward runs first (the root's is the root)
+    hooks = [UnitHooks(unit, _schedule) for unit in reversed(units)][::-1]
     for m in modules:
-        move_buffers(m, group.device)
+        move_buffers(m, primary.device)
         m.__class__ = fsdp_class(type(m))
         m.__dict__[HOOKS_ATTR] = hooks
         m.register_state_dict_pre_hook(reshard_for_state_dict)

@@ -103,13 +103,25 @@ def normal_tensors(fn: Callable) -> Callable:
     return run
 
 
+def hooks_on(module: nn.Module) -> list[UnitHooks]:
+    """The hooks of the units a fully_shard call made of `module`: one, or one per mesh (Note
+    [meshes of one call]), the call's own mesh's first."""
+    return module.__dict__.get(HOOKS_ATTR, [])
+
+
 def unit_hooks(module: nn.Module) -> UnitHooks | None:
-    return module.__dict__.get(HOOKS_ATTR)
+    """The hooks of `module`'s unit over the mesh of its fully_shard call, if it is a unit."""
+    hooks = hooks_on(module)
+    return hooks[0] if hooks else None
+
+
+def hooks_for(unit: Unit) -> UnitHooks:
+    return next(hooks for hooks in hooks_on(unit.module) if hooks.unit is unit)
 
 
 def units_under(module: nn.Module) -> list[Unit]:
     """The units of `module` and its submodules, outermost first (a module group's once)."""
-    return list(dict.fromkeys(hooks.unit for m in module.modules() if (hooks := unit_hooks(m)) is not None))
+    return list(dict.fromkeys(hooks.unit for m in module.modules() for hooks in hooks_on(m)))
 
 
 class Phase(Enum):
@@ -419,7 +431,7 @@ class UnitHooks:
         """On the first forward, the outermost unit becomes the root of every unit below it."""
         if self.ctx is None:
             names = {module: name for name, module in self.unit.module.named_modules()}
-            units = list(dict.fromkeys(hooks for module in names if (hooks := unit_hooks(module)) is not None))
+            units = list(dict.fromkeys(hooks for module in names for hooks in hooks_on(module)))
             ctx = RootContext(units, self.schedule)
             fqns = [names[hooks.unit.module] or "<root>" for hooks in units]
             for index, hooks in enumerate(units):

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from fullshard import runtime
 from fullshard.collectives import all_reduce_
 from fullshard.errors import fail, require
-from fullshard.hooks import Phase, ordinary_tensors, unit_hooks, units_under
+from fullshard.hooks import Phase, hooks_for, ordinary_tensors, unit_hooks, units_under
 from fullshard.mesh import counted_copy
 from fullshard.param import local_values
 from fullshard.stats import Stats
@@ -175,7 +175,7 @@ def full_params(
         raise fail("full_params(writeback=True, rank0_only=True) cannot write back on ranks that see no "
                    "full parameters", "Pass writeback=False with rank0_only=True.")
     units = units_of(model, "full_params")
-    if any(unit_hooks(unit.module).phase is not Phase.IDLE for unit in units):
+    if any(hooks_for(unit).phase is not Phase.IDLE for unit in units):
         raise fail("full_params was entered during a forward or backward",
                    "Use it between training steps.")
     if (rank0_only or offload_to_cpu) and any(p.tp_mesh is not None for unit in units for p in unit.params):
@@ -198,12 +198,12 @@ def full_params(
                         module._parameters[name] = full
             shown.append(fulls if visible else [])
     for unit in units:
-        unit_hooks(unit.module).shown = visible
+        hooks_for(unit).shown = visible
     try:
         yield
     finally:
         for unit in units:
-            unit_hooks(unit.module).shown = None
+            hooks_for(unit).shown = None
         with ordinary_tensors():
             for unit, fulls in zip(units, shown):
                 for p, full in zip(unit.params, fulls):

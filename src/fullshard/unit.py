@@ -84,6 +84,7 @@ class OwnedParam:
     slots: list[tuple[nn.Module, str]]
     dim: int = 0  # the dim it is split along (FSDP2's shard_placement_fn, Note [another dim])
     view: tuple[DTensorSpec, frozenset[int]] | None = None  # Note [SPMD meshes]: its spec there, the dp dims
+    mesh: object = None  # a DeviceMesh of its own (FSDP2's ShardPlacementResult, Note [meshes of one call]); None: the call's
 
 
 LIVE_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()  # (no weakrefs to parameters: materialize swaps them)
