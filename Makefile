@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test bench
+.PHONY: train test bench test-torch
 
 # pip byte-compiles on one core; compileall does it on all of them (14 s less of the
 # ~60 s set-up on 2 cores). Like pip, it skips the few files this Python cannot compile.
@@ -21,3 +21,13 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/fullshard bench
+
+# The suite on another torch, in a venv of its own: make test-torch TORCH=2.11.0
+# (PyPI's builds of other releases are CUDA builds, several GB with their nvidia-* wheels;
+# they run on the CPU.)
+TORCH ?= 2.11.0
+test-torch:
+	python3 -m venv .venv-torch-$(TORCH)
+	echo "torch==$(TORCH)" > .venv-torch-$(TORCH)/constraints.txt
+	.venv-torch-$(TORCH)/bin/python -m pip install --quiet --no-compile --constraint .venv-torch-$(TORCH)/constraints.txt --editable '.[test]'
+	.venv-torch-$(TORCH)/bin/python -m pytest -q

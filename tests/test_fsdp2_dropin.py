@@ -12,6 +12,8 @@ from collections.abc import Mapping, MutableMapping
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.device_mesh
+import torch.distributed.fsdp._fully_shard._fsdp_common
 from torch import nn
 from torch.distributed.fsdp import fully_shard as TORCH_FULLY_SHARD  # a name bound at import, as torchtitan's
 from torch.distributed.tensor import DTensor
@@ -21,7 +23,7 @@ from fullshard.api import NOT_OFFERED
 from fullshard.hooks import unit_hooks
 from fullshard.gpt import Block
 from tests.models import tiny_gpt, token_batch
-from tests.reference import ADAMW_TOL, LOSS_TOL, SGD_TOL, full_state, max_diff
+from tests.reference import ADAMW_TOL, FSDP2_ON_CPU, LOSS_TOL, SGD_TOL, full_state, max_diff
 from tests.test_errors import raises
 
 
@@ -378,6 +380,7 @@ def replace_job() -> dict:
             and TORCH_FULLY_SHARD is not fullshard.fully_shard, "isinstance": isinstance(ours, FSDPModule)}
 
 
+@FSDP2_ON_CPU
 def test_replace_fsdp2_runs_code_that_calls_torchs_fully_shard_on_fullshard(world2):
     for got in world2.run(replace_job):
         assert got["ours"] and got["restored"] and got["isinstance"]
@@ -439,6 +442,8 @@ def placement_result_job(shard_dim: int) -> dict:
             "meshes": [tuple(p.device_mesh.shape) for p in models["fullshard"].parameters()]}
 
 
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp._fully_shard._fsdp_common, "ShardPlacementResult"),
+                    reason="ShardPlacementResult is torch 2.13's: no code before it returns one")
 @pytest.mark.parametrize("world, shard_dim", [(2, 0), (4, 0), (4, 1)])
 def test_a_shard_placement_result_shards_a_parameter_over_its_own_mesh(request, world, shard_dim):
     for got in request.getfixturevalue(f"world{world}").run(placement_result_job, shard_dim=shard_dim):
@@ -960,6 +965,26 @@ def spmd_job() -> dict:
     return got
 
 
+def old_torch_tp_job() -> str:
+    """Before torch 2.10 fullshard cannot join dp and TP dims into one mesh: a named refusal."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from tests.models import TPLlama, tensor_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = TPLlama()
+    tensor_parallel(model, mesh["tp"])
+    return raises(lambda: fullshard.fully_shard(model, mesh=mesh["dp"]))
+
+
+@pytest.mark.skipif(hasattr(torch.distributed.device_mesh.DeviceMesh, "_concatenate"),
+                    reason="torch 2.10 and newer shard tensor-parallel DTensors (tests/test_tensor_parallel.py)")
+def test_tensor_parallelism_before_torch_2_10_is_refused(world4):
+    for message in world4.run(old_torch_tp_job):
+        assert "needs torch 2.10 or newer" in message, message
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
+                    reason="DataParallelMeshDims is torch 2.13's: there is no FSDP2 to compare with before it")
 def test_spmd_meshes_with_dp_mesh_dims_train_as_fsdp2(world4):
     for got in world4.run(spmd_job):
         for name in ("dp", "rep"):

@@ -14,8 +14,8 @@ from torch import nn
 import fullshard
 from fullshard.gpt import GPT, Block, GPTConfig
 from tests.models import SEQ, VOCAB, gpt_loss, model_spec, tiny_gpt, token_batch
-from tests.reference import (CollectiveLog, assert_parity, full_state, global_batches, local_slice,
-                             make_optimizer, max_diff, parity, train)
+from tests.reference import (FSDP2_ON_CPU, CollectiveLog, assert_parity, full_state, global_batches,
+                             local_slice, make_optimizer, max_diff, parity, train)
 
 MODELS = ["gpt", "twice", "situations", "checkpoint_reentrant", "checkpoint_nonreentrant",
           "checkpoint_inner", "hf_gpt2", "hf_llama"]
@@ -72,6 +72,7 @@ def torch_fsdp2_job() -> float:
     return max(abs(x - y) for x, y in zip(a, b)) + max_diff(full_state(ours), full_state(theirs))
 
 
+@FSDP2_ON_CPU
 def test_bitwise_equal_to_torch_fsdp2(world2):
     # Same shard layout, same reduction order: not one bit differs from torch FSDP2.
     assert world2.run(torch_fsdp2_job) == [0.0, 0.0]

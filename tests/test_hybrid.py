@@ -20,7 +20,7 @@ from tests.models import SEQ, VOCAB, gpt_loss, model_spec, tiny_gpt, token_batch
 from tests.reference import (ADAMW_TOL, LOSS_TOL, assert_parity, full_state, global_batches, local_slice,
                              make_optimizer, max_diff, parity, train)
 from tests.test_fully_shard import padded_numel
-from tests.world import free_port, rank_env
+from tests.world import child_pythonpath, free_port, rank_env
 
 
 @functools.cache
@@ -171,7 +171,7 @@ def test_accumulation_without_cross_group_traffic(world4, mode):
 def test_two_nodes_of_two_ranks_shard_inside_each_node(tmp_path):
     """Two torchrun launches on this machine, node ranks 0 and 1, meeting on 127.0.0.1."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]),
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(),
            **{k: v for k, v in rank_env(0, 4, port).items() if k in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}}
     launches = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2",

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 import fullshard
 from tests.models import gpt_loss, model_spec, tiny_gpt, token_batch
-from tests.reference import full_state, global_batches, make_optimizer, max_diff, train
+from tests.reference import FSDP2_ON_CPU, full_state, global_batches, make_optimizer, max_diff, train
 from tests.test_errors import raises
 from tests.test_hybrid import hybrid_mesh
-from tests.world import JOB_TIMEOUT_S, World
+from tests.world import JOB_TIMEOUT_S, World, child_pythonpath
 
 
 def sharded(strategy: str = "full_shard", seed: int = 0, model: str = "gpt"):
@@ -209,6 +209,7 @@ def torch_side_job(path: str, direction: str) -> dict:
     return {"same": same, "next": abs(a[0] - b[0]) + max_diff(full_state(ours), full_state(theirs))}
 
 
+@FSDP2_ON_CPU
 @pytest.mark.parametrize("direction", ["fullshard->torch", "torch->fullshard"])
 def test_interop_with_torch_fsdp2_and_dcp(world2, tmp_path, direction):
     for got in world2.run(torch_side_job, path=str(tmp_path / "ckpt"), direction=direction):
@@ -249,7 +250,7 @@ print(diff)
 def test_safetensors_export_loads_without_fullshard(world2, tmp_path):
     weights, outputs = tmp_path / "model.safetensors", tmp_path / "outputs.pt"
     world2.run(export_job, path=str(weights), outputs=str(outputs))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     done = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(weights), str(outputs)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

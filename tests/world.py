@@ -40,6 +40,13 @@ FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fullshard",
                 "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
 
+def child_pythonpath() -> str:
+    """PYTHONPATH for a child process: the repository (the tests package) and its src/ (fullshard,
+    installed or not) before whatever the caller had."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(p for p in (root, os.path.join(root, "src"), os.environ.get("PYTHONPATH")) if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

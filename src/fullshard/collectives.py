@@ -68,13 +68,16 @@ def p2p_tag(unit_index: int, kind: int) -> int:
 def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, timeout: timedelta,
                     group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """Every rank's `values` (the same length on every rank of `group`, default: all), rank by
-    rank; reading them is a host sync."""
+    rank; reading them is a host sync. Plain tensors even inside a torch.func transform (a
+    forward under torch.func.jvp checks its first forward with one: torch before 2.10 cannot
+    read back a tensor the transform wrapped)."""
     rt = runtime.active
-    mine = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64, device=device)
-    out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
-    works = rt.launched([_all_gather_single(out, mine, group=group, async_op=True)], reads=[mine], writes=[out])
-    wait_all(works, Caller(0, timeout, "an all-gather of integers"), on_device=device.type == "cuda")
-    return rt.read_on_host(out.view(-1, mine.numel()), timeout=timeout, what="an all-gather of integers")
+    with torch._C._DisableFuncTorch():
+        mine = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64, device=device)
+        out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
+        works = rt.launched([_all_gather_single(out, mine, group=group, async_op=True)], reads=[mine], writes=[out])
+        wait_all(works, Caller(0, timeout, "an all-gather of integers"), on_device=device.type == "cuda")
+        return rt.read_on_host(out.view(-1, mine.numel()), timeout=timeout, what="an all-gather of integers")
 
 
 def all_gather_json(obj: object, *, device: torch.device, timeout: timedelta,

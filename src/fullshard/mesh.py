@@ -185,12 +185,30 @@ _spans: dict[int, tuple[DeviceMesh, frozenset[int]]] = {}  # id(mesh) -> (mesh, 
 _replica_dims: dict[DeviceMesh, set[int]] = {}  # root mesh -> dims along which ranks hold copies
 
 
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh `mesh` was sliced from (itself if none), as each torch release offers it."""
+    if hasattr(mesh, "_get_root_mesh"):  # torch 2.10 and newer
+        return mesh._get_root_mesh()
+    from torch.distributed.device_mesh import _mesh_resources  # torch 2.6-2.9
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def concatenate(meshes: list[DeviceMesh], what: str) -> DeviceMesh:
+    """One mesh of the dims of `meshes` (dims of one root mesh), or a FullShardError on a torch
+    that cannot make one (before 2.10)."""
+    if not hasattr(DeviceMesh, "_concatenate"):
+        raise fail(f"{what} needs torch 2.10 or newer (it joins mesh dims with DeviceMesh._concatenate); this is "
+                   f"torch {torch.__version__}", "Upgrade torch, or shard without tensor parallelism.")
+    return DeviceMesh._concatenate(meshes)
+
+
 def spanned_dims(mesh: DeviceMesh) -> frozenset[int]:
     """The dims of `mesh`'s root mesh that it reaches along from this rank, found by ranks (so a
     flattened dim counts as the dims it joins); worked out once per mesh, when a unit is made:
     a mesh tensor read in a training step would look like a host sync."""
     if id(mesh) not in _spans:
-        root = mesh._get_root_mesh()
+        root = root_mesh(mesh)
         dims = frozenset(range(root.ndim))
         if root is not mesh:
             ranks, coordinate = set(mesh.mesh.flatten().tolist()), root.get_coordinate()
@@ -204,14 +222,14 @@ def spanned_dims(mesh: DeviceMesh) -> frozenset[int]:
 def add_replica_dims(mesh: DeviceMesh) -> None:
     """Note that ranks along `mesh`'s dims (a unit's data-parallel mesh, or its parameters' TP
     mesh) hold copies of what a parameter not split over them holds."""
-    _replica_dims.setdefault(mesh._get_root_mesh(), set()).update(spanned_dims(mesh))
+    _replica_dims.setdefault(root_mesh(mesh), set()).update(spanned_dims(mesh))
 
 
 def counted_copy(mesh: DeviceMesh, spans: bool = True) -> bool:
     """Whether a global sum counts this rank's piece of a value on `mesh` (`spans` False: a plain
     tensor, on no dim of it): only at coordinate 0 of the data-parallel and TP dims it does not
     span, whose ranks hold copies; along any other dim (pipeline stages) ranks hold other parts."""
-    root = mesh._get_root_mesh()
+    root = root_mesh(mesh)
     coordinate, spanned = root.get_coordinate(), spanned_dims(mesh) if spans else frozenset()
     return all(coordinate[k] == 0 for k in _replica_dims.get(root, set()) - spanned)
 
@@ -239,7 +257,7 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     not distinct dims of one mesh."""
     key = (dp_mesh, tp_mesh)
     if key not in _spmd_meshes:
-        _spmd_meshes[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        _spmd_meshes[key] = concatenate([dp_mesh, tp_mesh], "fully_shard of tensor-parallel DTensors")
         spanned_dims(_spmd_meshes[key])  # for clip_grad_norm_, now rather than in a training step
     return _spmd_meshes[key]
 
@@ -261,12 +279,14 @@ def spmd_dp_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, frozenset[int], st
     def one(group: tuple[str, ...]) -> DeviceMesh:
         return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
 
-    dp = DeviceMesh._concatenate([one(replicate), one(shard)]) if replicate else one(shard)
+    dp = concatenate([one(replicate), one(shard)], "dp_mesh_dims with replicate dims") if replicate else one(shard)
     return dp, frozenset(names.index(name) for name in shard + replicate), others[0] if others else None
 
 
 def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, fqn: str) -> None:
     """Refuse a tensor-parallel DTensor parameter that fullshard cannot shard further over `dp_mesh`."""
+    if not hasattr(DeviceMesh, "_concatenate"):
+        concatenate([dp_mesh, tp_mesh], f"fully_shard of {fqn!r}, a tensor-parallel DTensor,")
     if tp_mesh.ndim != 1 or not all(p.is_shard() or p.is_replicate() for p in placements) or \
             any(isinstance(p, _StridedShard) for p in placements):
         raise fail(f"parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh with placements {placements}; "
