@@ -1,21 +1,25 @@
-"""GPU check: fullshard on CUDA with NCCL, against one process and against torch's FSDP2.
+"""GPU check: fullshard on CUDA with NCCL, against one process and against torch's FSDP2,
+on a machine with one GPU (or more; it uses GPU 0).
 
-    .venv/bin/python benchmarks/gpu_check.py            # every GPU of this machine, 1 included
-    .venv/bin/python benchmarks/gpu_check.py --cpu      # the same checks on 2 CPU ranks over gloo
+    PYTHONPATH=src python3 benchmarks/gpu_check.py        # the check: one command, one table
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --cpu  # the same on the CPU over gloo (checks the script)
 
-Without CUDA it prints why it skips and exits 0 (`--cpu` checks this script itself).
-With N GPUs it starts N ranks (torchrun --standalone, one GPU per rank, NCCL) and runs:
+Without CUDA (and without --cpu) it prints why it skips and exits 0. It runs, each under
+torchrun --standalone:
 
-1. parity: a small GPT trained by every strategy (full_shard,
-   shard_grad_op, no_shard, hybrid_shard over every shard-group size that divides N,
-   reshard_after_forward=k for every divisor 1 < k < N) x precision (fp32; bf16; fp16
-   with fullshard.GradScaler) x CPU offload (off, on) x prefetch (on, off), 3 SGD steps
-   with clipping, against the same model trained by one process on the whole global
-   batch on the same GPU (low precision: bf16/fp16 copies of fp32 masters, by hand);
-2. the step benchmark: fullshard against FSDP2 (both sharded per block, bf16 compute),
-   median step time and torch.cuda.max_memory_allocated per rank.
+1. parity at world 2, both ranks on GPU 0: NCCL refuses two ranks on one device unless
+   they look like two hosts, so each rank gets its own NCCL_HOSTID and NCCL talks over its
+   socket transport on the loopback interface (slow, but NCCL's real streams, events and
+   collective semantics). A small GPT trained by every strategy (full_shard,
+   shard_grad_op, no_shard, hybrid_shard with shard groups of 1 and 2) x precision
+   (fp32; bf16; fp16 with fullshard.GradScaler), with CPU offload and without prefetch
+   for some, 3 SGD steps with clipping, against the same model trained by one process on
+   the whole global batch (low precision: bf16/fp16 copies of fp32 masters, by hand);
+2. the step benchmark at world 1: fullshard against FSDP2 (sharded per block, bf16
+   compute) on the 100m GPT, alternating, median step time and
+   torch.cuda.max_memory_allocated.
 
-It prints a line per configuration and a table, and exits 1 if any check failed.
+It prints a line per configuration, then one table, and exits 1 if any check failed.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import argparse
 import copy
 import gc
 import itertools
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -48,12 +54,17 @@ def divisors(n: int) -> list[int]:
 
 
 def configs(world: int) -> list[tuple[str, int, str, bool, bool]]:
-    """(strategy, shard-group size or reshard k, precision, offload, prefetch) to check."""
+    """(strategy, shard-group size or reshard k, precision, offload, prefetch) to check: every
+    strategy and precision with prefetch; offload, and no prefetch, for full_shard and
+    hybrid with shard groups of 1 (a few minutes on one GPU over NCCL's sockets)."""
     shapes = [("full_shard", 0), ("shard_grad_op", 0), ("no_shard", 0)]
     shapes += [("hybrid_shard", f) for f in divisors(world)]
     shapes += [("reshard_after_forward", k) for k in divisors(world) if 1 < k < world]
-    return [(s, n, p, o, f) for (s, n), p, o, f in
-            itertools.product(shapes, ("fp32", "bf16", "fp16"), (False, True), (True, False))]
+    precisions = ("fp32", "bf16", "fp16")
+    plain = [(s, n, p, False, True) for (s, n), p in itertools.product(shapes, precisions)]
+    varied = [(s, n, p, offload, prefetch) for (s, n), p, (offload, prefetch) in
+              itertools.product([("full_shard", 0), ("hybrid_shard", 1)], precisions, ((True, True), (False, False)))]
+    return plain + varied
 
 
 def build(device):
@@ -160,8 +171,8 @@ def train_reference(model, batches, precision: str, device) -> list[float]:
     return losses
 
 
-def parity(rank: int, world: int, device) -> int:
-    """Every configuration against one process; returns the failures."""
+def parity(rank: int, world: int, device) -> list[dict]:
+    """Every configuration against one process; a record of each."""
     import torch
     import torch.distributed as dist
 
@@ -170,9 +181,10 @@ def parity(rank: int, world: int, device) -> int:
     generator = torch.Generator().manual_seed(1)
     batches = [tuple(t.to(device) for t in (x, torch.roll(x, -1, 1)))
                for x in (torch.randint(0, 97, (4 * world, 32), generator=generator) for _ in range(3))]
-    failures = 0
+    records = []
     for strategy, size, precision, offload, prefetch in configs(world):
         name = f"{strategy}{f' {size}' if size else ''} {precision} offload={offload} prefetch={prefetch}"
+        drift = loss_drift = float("nan")
         try:
             reference = build(device)
             model = shard(copy.deepcopy(reference), strategy, size, precision, offload, prefetch, device.type)
@@ -196,15 +208,17 @@ def parity(rank: int, world: int, device) -> int:
             ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         flag = torch.tensor([0 if ok else 1], device=device)
         dist.all_reduce(flag)
-        failures += int(flag.item() > 0)
-        log(rank, f"{'PASS' if flag.item() == 0 else 'FAIL'}  {name}: {detail}")
+        passed = flag.item() == 0
+        log(rank, f"{'PASS' if passed else 'FAIL'}  {name}: {detail}")
+        records.append({"name": name, "precision": precision, "ok": passed, "loss": loss_drift, "param": drift})
         del reference
         gc.collect()
-    return failures
+    return records
 
 
-def step_benchmark(rank: int, world: int, device, steps: int) -> None:
-    """fullshard against FSDP2 on the 100m GPT (tiny on the CPU) in bf16: median step time, peak memory."""
+def step_benchmark(rank: int, world: int, device, steps: int) -> dict:
+    """fullshard against FSDP2 on the 100m GPT (tiny on the CPU) in bf16: median step time and
+    peak memory, the best of two alternated runs each."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -213,13 +227,13 @@ def step_benchmark(rank: int, world: int, device, steps: int) -> None:
     from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
 
     rows = []
+    preset = "100m" if device.type == "cuda" else "tiny"
     for impl in ("fullshard", "fsdp2", "fullshard", "fsdp2"):  # alternated: drift hits both alike
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(0)
-        preset = "100m" if device.type == "cuda" else "tiny"
         model = GPT(GPTConfig(block_size=256, vocab_size=256, **PRESETS[preset])).to(device)
         if impl == "fullshard":
             fullshard.shard_model(model, wrap={Block}, forward_prefetch=True,
@@ -250,18 +264,11 @@ def step_benchmark(rank: int, world: int, device, steps: int) -> None:
             if i >= 3:  # after warm-up
                 times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        figures = torch.tensor([statistics.median(times), peak], dtype=torch.float64, device=device)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        rows.append((impl, figures[0].item(), figures[1].item() / 2**20))
+        rows.append((impl, statistics.median(times), peak / 2**20))
         del model, optimizer
-    best = {impl: (min(r[1] for r in rows if r[0] == impl), max(r[2] for r in rows if r[0] == impl))
-            for impl in ("fullshard", "fsdp2")}
-    log(rank, f"\n| impl | step s (median of {steps}, best of 2 runs) | peak allocated MB (max over ranks) "
-              f"| step / FSDP2 | memory / FSDP2 |\n|---|---|---|---|---|")
-    for impl, (step_s, peak_mb) in best.items():
-        base_s, base_mb = best["fsdp2"]
-        log(rank, f"| {impl} | {step_s:.4f} | {peak_mb:.0f} | {step_s / base_s:.2f} | "
-                  f"{peak_mb / base_mb if base_mb else float('nan'):.2f} |")
+    return {"preset": preset, "steps": steps,
+            **{impl: [min(r[1] for r in rows if r[0] == impl), max(r[2] for r in rows if r[0] == impl)]
+               for impl in ("fullshard", "fsdp2")}}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -269,30 +276,82 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     cuda = not args.cpu
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        os.environ["NCCL_HOSTID"] = f"fullshard-gpu-check-{rank}"  # every rank a "host" of its own on GPU 0
+        torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity needs fp32 matmuls
         torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300))  # a hang fails the check
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300),  # a hang fails the check
+                            device_id=device if cuda else None)
     log(rank, f"gpu_check: {world} rank(s) on {torch.cuda.get_device_name(device) if cuda else 'the CPU'}, "
               f"torch {torch.__version__}, backend {dist.get_backend()}")
-    failures = parity(rank, world, device)
-    log(rank, f"\nparity: {len(configs(world)) - failures} of {len(configs(world))} configurations pass")
-    if not args.skip_bench:
-        step_benchmark(rank, world, device, args.steps)
+    result = {"world": world, "device": torch.cuda.get_device_name(device) if cuda else "CPU",
+              "torch": torch.__version__}
+    if args.part == "parity":
+        result["parity"] = parity(rank, world, device)
+    else:
+        result["bench"] = step_benchmark(rank, world, device, args.steps)
     dist.barrier()
     dist.destroy_process_group()
-    return 1 if failures else 0
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    return 0
+
+
+def run_part(part: str, nproc: int, args: argparse.Namespace, result: str) -> dict | None:
+    """One torchrun of the worker; what rank 0 recorded (None when it did not finish)."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    if args.cpu:
+        env["OMP_NUM_THREADS"] = "1"
+    else:  # NCCL between "hosts" on this machine: sockets on loopback, no InfiniBand; GPU 0 alone visible
+        env.update(NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1",
+                   CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+           "--worker", "--part", part, "--result", result, "--steps", str(args.steps)] + (["--cpu"] if args.cpu else [])
+    subprocess.run(cmd, env=env)
+    if not os.path.exists(result):
+        return None
+    with open(result) as f:
+        return json.load(f)
+
+
+def table(parity_run: dict | None, bench_run: dict | None) -> list[str]:
+    """The check's one table: parity per precision at world 2, then the step at world 1."""
+    lines = ["| check | result | figures |", "|---|---|---|"]
+    if parity_run is None:
+        lines.append("| parity, world 2 on one device | did not finish | see the output above |")
+    else:
+        records = parity_run["parity"]
+        for precision in ("fp32", "bf16", "fp16"):
+            mine = [r for r in records if r["precision"] == precision]
+            passed = sum(r["ok"] for r in mine)
+            loss, param = (max(r[k] for r in mine) for k in ("loss", "param"))
+            lines.append(f"| parity {precision}, world 2 on one device ({parity_run['device']}) | {passed} of "
+                         f"{len(mine)} pass | largest drift: loss {loss:.2e}, parameters {param:.2e} |")
+    if bench_run is None:
+        lines.append("| step, world 1, against FSDP2 | did not finish | see the output above |")
+    else:
+        b = bench_run["bench"]
+        (ours_s, ours_mb), (theirs_s, theirs_mb) = b["fullshard"], b["fsdp2"]
+        lines.append(f"| {b['preset']} GPT bf16 step, world 1 ({bench_run['device']}), median of {b['steps']} | "
+                     f"fullshard {ours_s * 1e3:.1f} ms, FSDP2 {theirs_s * 1e3:.1f} ms | step / FSDP2 "
+                     f"{ours_s / theirs_s:.2f} |")
+        if theirs_mb:
+            lines.append(f"| {b['preset']} GPT bf16 max_memory_allocated, world 1 | fullshard {ours_mb:.0f} MB, "
+                         f"FSDP2 {theirs_mb:.0f} MB | memory / FSDP2 {ours_mb / theirs_mb:.2f} |")
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu", action="store_true", help="run on 2 CPU ranks over gloo (checks this script)")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU over gloo (checks this script)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per benchmark run")
-    parser.add_argument("--skip-bench", action="store_true", help="parity only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=("parity", "bench"), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -300,14 +359,16 @@ def main() -> int:
 
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_check: skipped: no CUDA device here (torch.cuda.is_available() is False; torch "
-              f"{torch.__version__}). Run it on a machine with GPUs, or pass --cpu to check the script on the CPU.")
+              f"{torch.__version__}). Run it on a machine with a GPU, or pass --cpu to check the script on the CPU.")
         return 0
-    nproc = 2 if args.cpu else torch.cuda.device_count()
-    env = dict(os.environ, OMP_NUM_THREADS="1") if args.cpu else dict(os.environ)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-           "--worker", "--steps", str(args.steps)] + (["--cpu"] if args.cpu else []) + \
-        (["--skip-bench"] if args.skip_bench else [])
-    return subprocess.run(cmd, env=env).returncode
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        parity_run = run_part("parity", 2, args, os.path.join(folder, "parity.json"))
+        bench_run = run_part("bench", 1, args, os.path.join(folder, "bench.json"))
+    print(f"\ngpu_check finished in {time.perf_counter() - start:.0f} s\n")
+    print("\n".join(table(parity_run, bench_run)))
+    ok = parity_run is not None and bench_run is not None and all(r["ok"] for r in parity_run["parity"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

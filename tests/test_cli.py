@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fullshard import cli, launcher
+from fullshard import cli, launcher, trainer
+from fullshard.errors import FullShardError
 from fullshard.train_config import TrainConfig
 from tests.runs import STRAIGHT, finish, fullshard, metrics
 
@@ -110,6 +111,38 @@ def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, tmp_path, args, s
     assert exit_status(args) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and says in err
+
+
+def test_more_ranks_than_gpus_are_refused_by_name(monkeypatch, capsys, tmp_path):
+    for var in (*cli.TORCHRUN_VARS, launcher.LAUNCHER_PID):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail("ranks started"))
+    assert exit_status(["train", "--nproc", "2", "--out", str(tmp_path)]) == 2
+    assert "--nproc 2 is more than the 1 GPUs here" in capsys.readouterr().err
+    # under torchrun: the rank whose local rank has no GPU says so, before set_device fails
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(FullShardError, match="local rank 1 of this machine, which has 1 GPUs"):
+        trainer.join_job(TrainConfig())
+
+
+def test_nccl_communicators_are_made_when_the_group_is(monkeypatch, tmp_path):
+    """init_process_group gets the rank's GPU (device_id), so NCCL makes its communicators
+    there and then, not inside the first training step."""
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(trainer.dist, "init_process_group", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(trainer.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(trainer.dist, "get_world_size", lambda: 1)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        launcher.STORE_FILE: str(tmp_path / "store")}.items():
+        monkeypatch.setenv(name, value)
+    assert trainer.join_job(TrainConfig())[2] == torch.device("cuda", 0)
+    assert seen["device_id"] == torch.device("cuda", 0)
 
 
 class Started(Exception):

@@ -64,6 +64,9 @@ def start_local_run(cfg: TrainConfig, argv: list[str]) -> int:
     import torch
 
     nproc = cfg.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        return fatal(f"--nproc {nproc} is more than the {torch.cuda.device_count()} GPUs here: each rank takes a "
+                     f"GPU of its own. Pass --nproc {torch.cuda.device_count()} or fewer")
     cores = os.cpu_count() or 1
     if not torch.cuda.is_available() and nproc > cores and not cfg.oversubscribe:
         return fatal(f"--nproc {nproc} is more than the {cores} CPU cores here; pass --oversubscribe to run anyway")

@@ -128,6 +128,11 @@ class HangWatch:
                     return
 
 
+# a host wait polls its event, sleeping at most this long in between: it wakes at most this
+# late after the GPU got there (a fraction of a ms per host sync), at <= 2000 wake-ups a second
+MAX_PAUSE_S = 5e-4
+
+
 class Runtime:
     """CUDA streams and events where the device is a GPU; on the CPU streams are None."""
 
@@ -167,7 +172,7 @@ class Runtime:
         if event is None:
             return
         deadline = time.monotonic() + timeout.total_seconds()
-        pause = 1e-4
+        pause = 1e-5
         while not event.query():
             self.watch.check()
             if time.monotonic() > deadline:
@@ -175,7 +180,7 @@ class Runtime:
                 self.watch.check()
                 raise CollectiveError(f"{what} did not finish within {timeout.total_seconds():g} s")
             time.sleep(pause)
-            pause = min(2 * pause, 0.01)
+            pause = min(2 * pause, MAX_PAUSE_S)
 
     # ---- collectives -------------------------------------------------------------------
 

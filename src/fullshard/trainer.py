@@ -100,6 +100,11 @@ def join_job(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     cuda = torch.cuda.is_available()
     timeout = timedelta(seconds=cfg.timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda and device.index >= torch.cuda.device_count():
+        raise FullShardError(f"rank {os.environ['RANK']} is local rank {device.index} of this machine, which has "
+                             f"{torch.cuda.device_count()} GPUs: each rank takes a GPU of its own. Start at most "
+                             f"{torch.cuda.device_count()} ranks per machine (torchrun --nproc_per_node)")
     try:
         if STORE_FILE in os.environ:  # a local run (Note [local launch])
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -109,12 +114,12 @@ def join_job(cfg: TrainConfig) -> tuple[int, int, torch.device]:
             store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 store=dist.PrefixStore(f"fullshard/attempt-{attempt}", store),
-                                timeout=timeout + NCCL_WATCHDOG_GRACE if cuda else timeout)
+                                timeout=timeout + NCCL_WATCHDOG_GRACE if cuda else timeout,
+                                device_id=device if cuda else None)  # NCCL's communicators now, not in step 1
     except RuntimeError as e:  # torch's store and backend errors: a rank that never came, an unreachable store
         raise FullShardError(f"rank {os.environ['RANK']}: joining the process group did not finish within --timeout "
                              f"{cfg.timeout:g} s ({str(e).splitlines()[0]}). Start every rank, or pass a longer "
                              f"--timeout") from None
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     else:
