@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test bench test-torch
+.PHONY: train test test-integrations bench test-torch
 
 # pip byte-compiles on one core; compileall does it on all of them (14 s less of the
 # ~60 s set-up on 2 cores). Like pip, it skips the few files this Python cannot compile.
@@ -18,6 +18,16 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The frameworks users train with (Lightning, Accelerate, the HF Trainer, PEFT, torchtitan),
+# each against torch's FSDP2: integrations/test_frameworks.py, about 2 minutes
+$(VENV)/.integrations: $(VENV)/.installed integrations/requirements.txt integrations/requirements-no-deps.txt
+	$(PY) -m pip install --quiet --no-compile --constraint constraints.txt -r integrations/requirements.txt
+	$(PY) -m pip install --quiet --no-compile --no-deps --constraint constraints.txt -r integrations/requirements-no-deps.txt
+	touch $@
+
+test-integrations: $(VENV)/.integrations
+	$(PY) -m pytest -q integrations
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/fullshard bench
