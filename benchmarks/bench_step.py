@@ -1,6 +1,6 @@
-"""The training-step benchmark; it lives in the package as `fullshard bench` (fullshard/bench.py)."""
+"""The training-step benchmark; it lives in the package as `fullshard bench` (fullshard/cli/bench.py)."""
 
-from fullshard.bench import main
+from fullshard.cli.bench import main
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import fullshard
 from fullshard.gpt import Block
 
-from fullshard.bench import BATCHES, build_model
+from fullshard.cli.bench import BATCHES, build_model
 from fullshard.stats import process_memory
 
 

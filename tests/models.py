@@ -248,7 +248,7 @@ def build(strategy: str, precision: str, offload: bool, mode: str, n_layer: int 
 
 
 def train_modelled(model: GPT, model_rt, precision: str, offload: bool, mode: str, steps: int) -> list[int]:
-    """Train `steps` steps (SGD) under `model_rt`, a fullshard.stream_model.StreamModel;
+    """Train `steps` steps (SGD) under `model_rt`, a fullshard.testing.stream_model.StreamModel;
     return the host syncs of each step. `mode`: "prefetch"/"no_prefetch" (one backward
     per step), "accumulate" (two), "no_sync" (two, the first under fullshard.no_sync)."""
     import fullshard

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fullshard import cli, launcher, trainer
+from fullshard import cli
+from fullshard.cli import launcher, trainer
 from fullshard.errors import FullShardError
-from fullshard.train_config import TrainConfig
+from fullshard.cli.config import TrainConfig
 from tests.runs import STRAIGHT, finish, fullshard, metrics
 
 
@@ -189,7 +190,7 @@ def test_the_command_exits_with_mains_status_and_no_traceback():
     assert out == "" and err.count("\n") == 1 and "unknown --strategy 'zero3'" in err and "Traceback" not in err
 
 
-# ---- the launcher of local runs (fullshard.launcher), with stand-in ranks -------------------
+# ---- the launcher of local runs (fullshard.cli.launcher), with stand-in ranks -------------------
 # Ranks here are small Python programs (no torch import: milliseconds), started by the
 # launcher exactly as it starts `fullshard train`'s ranks.
 

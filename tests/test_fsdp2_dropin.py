@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard as TORCH_FULLY_SHARD  # a name bo
 from torch.distributed.tensor import DTensor
 
 import fullshard
-from fullshard.api import NOT_OFFERED
+from fullshard.module import NOT_OFFERED
 from fullshard.hooks import unit_hooks
 from fullshard.gpt import Block
 from tests.models import tiny_gpt, token_batch
@@ -221,7 +221,6 @@ def test_an_fsdp2_training_script_runs_with_only_its_import_changed(world2):
 def methods_job() -> dict:
     """FSDPModule's methods of FSDP2, each against what it promises."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
 
     out = {}
     x, y = batch()
@@ -433,7 +432,8 @@ def placement_result_job(shard_dim: int) -> dict:
         expert_params = set(models[name].experts.parameters())
         shard(models[name], shard_placement_fn=lambda p, e=expert_params: ShardPlacementResult(
             Shard(shard_dim if p.dim() == 2 else 0), expert_mesh) if p in e else None)
-    got = {name: train(model, x if name == "one process" else local) for name, model in models.items()}
+    for name, model in models.items():
+        train(model, x if name == "one process" else local)
     placements = {n: tuple(p.placements) for n, p in models["fullshard"].named_parameters()}
     state = {n: p.full_tensor() for n, p in models["fullshard"].named_parameters()}
     return {"placements": {n: [repr(p) for p in ps] for n, ps in placements.items()},

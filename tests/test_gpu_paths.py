@@ -1,6 +1,6 @@
 """The GPU (CUDA + NCCL) paths of issue 15, checked on the CPU.
 
-Memory and stream order come from fullshard/stream_model.py (host memory, as CPU offload and
+Memory and stream order come from fullshard/testing/stream_model.py (host memory, as CPU offload and
 models built on the CPU have it, must never reach a collective or meet device memory in
 an operation); the rest are the decisions the GPU paths take, tested directly.
 """
@@ -18,12 +18,12 @@ from torch.distributed.tensor import DTensor
 
 import fullshard
 from fullshard import runtime
-from fullshard.cli import TrainConfig, nonfinite_policy
+from fullshard.cli.config import TrainConfig, nonfinite_policy
 from fullshard.collectives import Averaging, averaging
 from fullshard.gpt import Block
 from fullshard.hooks import units_under
 from fullshard.mesh import check_local_gpu, compute_device
-from fullshard.stream_model import StreamModel
+from fullshard.testing.stream_model import StreamModel
 from tests.models import build, hf_llama, hf_loss, tiny_gpt, token_batch, train_modelled
 from tests.reference import global_batches, local_slice
 

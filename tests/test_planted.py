@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fullshard
 from fullshard import FullShardError
-from fullshard.launcher import hold_run_dir
-from fullshard.run_log import open_log, plot
+from fullshard.cli.launcher import hold_run_dir
+from fullshard.cli.run_log import open_log, plot
 from tests.reference import full_state, max_diff
 from tests.test_errors import raises
 from tests.test_trust import plain_copy, trained

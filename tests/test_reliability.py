@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 import fullshard
-from fullshard import cli, trainer
+from fullshard import cli
+from fullshard.cli import trainer
 from fullshard.gpt import GPT, Block, GPTConfig
-from fullshard.run_log import read_rows
+from fullshard.cli.run_log import read_rows
 from tests.models import SEQ, VOCAB, gpt_loss, tiny_gpt, token_batch
 from tests.reference import full_state, global_batches, local_slice, make_optimizer, max_diff, train
 from tests.runs import RUN_TIMEOUT_S, STRAIGHT, finish, fullshard as fullshard_cli, metrics, wait_for_step
@@ -63,7 +64,7 @@ def test_a_killed_run_and_killed_ranks_resume_like_an_uninterrupted_run(straight
     wait_for_step(first, tmp_path, 8)  # step 5's checkpoint is complete: a save ends before the next step
     orphans = ranks_of(first.pid)
     assert first.poll() is None and orphans, "the run ended before it could be killed"
-    os.kill(first.pid, signal.SIGKILL)  # the launcher alone (Note [orphans] in fullshard/launcher.py)
+    os.kill(first.pid, signal.SIGKILL)  # the launcher alone (Note [orphans] in fullshard/cli/launcher.py)
     deadline = time.monotonic() + 2  # the kernel kills them at once; an orphan would train on for seconds
     while any(alive(pid) for pid in orphans) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -1,7 +1,7 @@
 """Stream order and host syncs of every strategy, checked on the CPU with a model of CUDA streams.
 
 Each configuration trains the smallest GPT with block units (2 blocks and the root) for
-2 steps with `fullshard.stream_model.StreamModel` installed as fullshard's runtime: the
+2 steps with `fullshard.testing.stream_model.StreamModel` installed as fullshard's runtime: the
 collectives and tensors are real (gloo, CPU), the streams, events, host syncs and the
 host/device memory split are modelled as CUDA has them. The matrix: strategy
 (full_shard, shard_grad_op, no_shard, hybrid with shard groups of 2 and of 1,
@@ -26,7 +26,7 @@ import fullshard
 from fullshard import runtime
 from fullshard.gpt import GPT, Block, GPTConfig
 from fullshard.hooks import units_under
-from fullshard.stream_model import StreamModel
+from fullshard.testing.stream_model import StreamModel
 from tests.models import SEQ, VOCAB, build, token_batch, train_modelled
 from tests.reference import global_batches, local_slice
 
@@ -82,7 +82,7 @@ def missing_wait(strategy: str, skipped: tuple[str, str]) -> list[str]:
 
 def bench_syncs(n_layer: int) -> int:
     """What `fullshard bench` reports as host syncs per step, for a GPT of `n_layer` block units."""
-    from fullshard.bench import host_syncs_per_step
+    from fullshard.cli.bench import host_syncs_per_step
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=n_layer, n_head=2, n_embd=30))

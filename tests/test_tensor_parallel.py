@@ -6,7 +6,6 @@ and sums the parts, so the tolerances are parity's (tests/reference.py)."""
 
 from __future__ import annotations
 
-import copy
 import shutil
 import tempfile
 

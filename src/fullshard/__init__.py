@@ -1,6 +1,7 @@
 """fullshard: Fully Sharded Data Parallel training for PyTorch (Zhao et al., 2023)."""
 
-from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from fullshard.api import fully_shard, register_fsdp_forward_method, share_comm_ctx
+from fullshard.module import FSDPModule, UnshardHandle
 from fullshard.errors import FullShardError
 from fullshard.planner import Hardware, Plan, apply_plan, plan
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

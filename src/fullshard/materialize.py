@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.api import bit_sums, check_ranks_agree
+from fullshard.checks import bit_sums, check_ranks_agree
 from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail
 from fullshard.hooks import units_under

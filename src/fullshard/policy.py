@@ -63,3 +63,18 @@ STRATEGIES = {
     "hybrid_shard": {"reshard_after_forward": True, "mesh_dims": ("replicate", "shard")},
     "no_shard": {"reshard_after_forward": False, "mesh_dims": ("replicate",)},
 }
+
+
+def from_torch_policy(policy):
+    """FSDP2's own MixedPrecisionPolicy or offload policy (a script importing them from torch)
+    as fullshard's, field for field; anything else as it is."""
+    from torch.distributed import fsdp  # noqa: PLC0415
+
+    if isinstance(policy, fsdp.MixedPrecisionPolicy):
+        return MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                    output_dtype=policy.output_dtype, cast_forward_inputs=policy.cast_forward_inputs)
+    if isinstance(policy, fsdp.CPUOffloadPolicy):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if type(policy) is fsdp.OffloadPolicy:
+        return OffloadPolicy()
+    return policy

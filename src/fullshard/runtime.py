@@ -1,7 +1,7 @@
 """The accelerator seam: every stream, event, collective wait and host transfer of fullshard.
 
 `runtime.active` forwards to torch.cuda on GPUs and does nothing but wait on the CPU.
-A test can install another object with the same methods (fullshard/stream_model.py models
+A test can install another object with the same methods (fullshard/testing/stream_model.py models
 CUDA's streams on the CPU and records, per buffer, the stream of every read, write and
 free), which is how the ordering below is checked without a GPU. The hot path calls
 `reads`, `writes`, `allocated` and `freed` at the points where a buffer changes hands

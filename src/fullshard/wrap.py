@@ -14,7 +14,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
-from fullshard.api import FSDPModule, dp_groups, fully_shard
+from fullshard.api import fully_shard
+from fullshard.checks import dp_groups
+from fullshard.module import FSDPModule
 from fullshard.errors import fail
 from fullshard.hooks import Schedule
 from fullshard.materialize import check_initializable, has_meta, materialize, sync_eager

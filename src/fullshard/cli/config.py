@@ -17,7 +17,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from fullshard.corpus import corpus_sizes
+from fullshard.cli.corpus import corpus_sizes
 
 # the longest --timeout: far below where timedelta and the backends' millisecond
 # clocks overflow (about 1e13 s), far above any real wait

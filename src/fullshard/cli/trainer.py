@@ -27,13 +27,13 @@ import torch.distributed as dist
 import fullshard
 from fullshard import runtime
 from fullshard.collectives import all_reduce_
-from fullshard.corpus import batch_offsets, batch_rows, corpus
+from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
 from fullshard.errors import FullShardError
 from fullshard.gpt import GPT, Block, GPTConfig
-from fullshard.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
-from fullshard.run_log import open_log, plot, read_rows, summary
+from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
+from fullshard.cli.run_log import open_log, plot, read_rows, summary
 from fullshard.runtime import CollectiveError
-from fullshard.train_config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes
+from fullshard.cli.config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes
 
 NCCL_WATCHDOG_GRACE = timedelta(seconds=60)  # Note [cli deadlines]
 

@@ -6,7 +6,7 @@ runs/gpt: metrics.jsonl (a line per step), loss.png (loss curves and memory per 
 and checkpoint/ (resumed automatically when the same command runs again). Launched
 by torchrun it is one rank of the job; otherwise it starts the ranks itself.
 
-The command's parts: train_config (options and their checks), launcher (the ranks of a
+The command's parts: config (options and their checks), launcher (the ranks of a
 local run, the run directory's lock), trainer (one rank's run: the loop), corpus (the
 text and its batches), run_log (metrics.jsonl, loss.png, the summary).
 """
@@ -20,11 +20,10 @@ import sys
 from pathlib import Path
 
 from fullshard.errors import EveryRankError, FullShardError
-from fullshard.launcher import LAUNCHER_PID, hold_run_dir, launch
-# TrainConfig and nonfinite_policy are also imported from here (tests/test_gpu_paths.py)
-from fullshard.train_config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
-                                    nonfinite_policy, parse_bytes, plan_problem, problem)
-from fullshard.trainer import train, version
+from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch
+from fullshard.cli.config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
+                                    parse_bytes, plan_problem, problem)
+from fullshard.cli.trainer import train, version
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
@@ -39,7 +38,7 @@ class Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its arguments are its own
-        from fullshard.bench import main as bench
+        from fullshard.cli.bench import main as bench
 
         bench(argv[1:])
         return 0

@@ -18,7 +18,7 @@ implementation, medians over runs:
 - syncs: fullshard's host syncs per step (forward, backward, clip) with the non-finite
   check on, as `fullshard train` runs by default (without offload: the one read of every
   unit's non-finite flag), counted after the measurements on a model of CUDA streams
-  (fullshard.stream_model): on a GPU each stalls the host until the GPU catches up. A
+  (fullshard.testing.stream_model): on a GPU each stalls the host until the GPU catches up. A
   small constant, whatever the number of units;
 and each figure's ratio to FSDP2's.
 """
@@ -120,12 +120,12 @@ def sent_bytes_per_step(impl: str, model, step) -> int:
 def host_syncs_per_step(model, batch: tuple, optimizer) -> int:
     """fullshard's host syncs in one training step (forward, backward, clip) as `fullshard
     train` runs it, with the non-finite check on (its default): counted on
-    fullshard.stream_model's model of CUDA streams. The step's gradients are dropped and
+    fullshard.testing.stream_model's model of CUDA streams. The step's gradients are dropped and
     the model's own non-finite policy is left as it was."""
     import fullshard
     from fullshard import runtime
     from fullshard.hooks import units_under
-    from fullshard.stream_model import StreamModel
+    from fullshard.testing.stream_model import StreamModel
 
     policies = [unit.nonfinite for unit in units_under(model)]
     model.set_nonfinite_grads("raise")
@@ -232,7 +232,7 @@ def launch_once(impl: str, preset: str, dtype: str, steps: int, warmup: int) -> 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={1 if impl == 'single' else 2}", "-m", "fullshard.bench", "--worker", "--impl", impl,
+               f"--nproc_per_node={1 if impl == 'single' else 2}", "-m", "fullshard.cli.bench", "--worker", "--impl", impl,
                "--preset", preset, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -1,0 +1,77 @@
+"""Cross-rank agreements: that every rank shards the same parameters with the same values."""
+
+from __future__ import annotations
+
+import zlib
+from datetime import timedelta
+
+import torch
+
+from fullshard.collectives import all_gather_ints, all_gather_json
+from fullshard.errors import fail
+from fullshard.mesh import ShardGroup
+from fullshard.runtime import CollectiveError
+
+
+# the integer type whose elements have the size of a dtype's, to sum a tensor's bits
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+def bit_sums(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's bits summed as integers of its element size, wrapping (0 for meta tensors).
+    Wrapping integer addition is associative, so equal values give equal sums on any device
+    and CPU, in any summation order, where a float sum's rounding would not; and summing in
+    the element's own size needs no widened copy of the tensor."""
+    sums = []
+    for t in tensors:
+        if not t.is_meta:
+            bits = t.detach().reshape(-1).view(INT_OF_SIZE.get(t.element_size(), torch.int64))
+            sums.append(bits.sum(dtype=bits.dtype).to(torch.int64))
+    values = iter(torch.stack(sums).tolist() if sums else [])
+    return [0 if t.is_meta else next(values) for t in tensors]
+
+def dp_groups(group: ShardGroup) -> list[torch.distributed.ProcessGroup | None]:
+    """The groups over which ranks must hold equal parameters: every rank (None), or, on a
+    data-parallel sub-mesh, its shard and replicate groups (the other dims, e.g. tensor
+    parallelism, hold other parts)."""
+    if group.mesh.size() == torch.distributed.get_world_size():
+        return [None]
+    return group.process_groups
+
+def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device: torch.device,
+                      groups: list[torch.distributed.ProcessGroup | None] = (None,)) -> None:
+    """Refuse, on every rank, ranks that would shard different parameters: `described` holds
+    each parameter's (name, shape, dtype, requires_grad[, split dim]), `sums` its bit_sums. Ranks that
+    differ would silently mix rows of different models. One small all-gather per group
+    (None: every rank) when they agree."""
+    try:
+        for group in groups:
+            if torch.distributed.get_world_size(group) > 1:
+                compare_ranks(what, described, sums, device, group)
+    except CollectiveError as e:
+        raise fail(f"rank {torch.distributed.get_rank()}: comparing {what} across ranks did not finish ({e})",
+                   "Every rank must shard the same model at the same time; another rank did not, or died.") from None
+
+def compare_ranks(what: str, described: list[tuple], sums: list[int], device: torch.device,
+                  group: torch.distributed.ProcessGroup | None) -> None:
+    """check_ranks_agree within one group, without the deadline's message (ranks are the group's)."""
+    timeout = timedelta(seconds=300)
+    digest = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(sums).encode())]
+    digests = all_gather_ints(digest, device=device, timeout=timeout, group=group)
+    if len({structure for structure, _ in digests}) > 1:
+        everyone = [[tuple(d[:1]) + (tuple(d[1]),) + tuple(d[2:]) for d in theirs]  # JSON made tuples lists
+                    for theirs in all_gather_json(described, device=device, timeout=timeout, group=group)]
+        differ = [f"rank {r}: {sorted(set(theirs) ^ set(described))}" for r, theirs in enumerate(everyone)
+                  if theirs != described]
+        raise fail(f"ranks would shard different parameters in {what} ((name, shape, dtype, requires_grad, ...) "
+                   f"differing from this rank's: {'; '.join(differ)})",
+                   "Build the same model on every rank, with the same parameters frozen (and the same "
+                   "shard_placement_fn), before sharding.")
+    if len({values for _, values in digests}) == 1 or not sums:
+        return
+    everyone = all_gather_ints(sums, device=device, timeout=timeout, group=group)  # same length: same parameters
+    names = [d[0] for i, d in enumerate(described) if len({theirs[i] for theirs in everyone}) > 1]
+    listing = ", ".join(map(repr, names[:8])) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    raise fail(f"ranks hold different values of {listing} in {what}: sharding would keep rank 0's rows of one "
+               f"model and the other ranks' rows of others",
+               "Seed every rank alike before building the model (torch.manual_seed(seed) with the same seed), or "
+               "shard with fullshard.shard_model(model, ..., sync_module_states=True) to make rank 0's values win.")

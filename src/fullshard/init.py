@@ -1,0 +1,267 @@
+"""fully_shard's steps: which parameters a unit takes and from where, where they are split,
+the class swap and the state-dict hooks of a unit's modules; and the registries of what
+fully_shard replaced (the optimizer step guard reads them)."""
+
+from __future__ import annotations
+
+import gc
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fullshard import runtime
+from fullshard.errors import fail
+from fullshard.hooks import Phase, hooks_on, units_under
+from fullshard.mesh import ShardGroup, check_tp_mesh, spmd_dp_mesh
+from fullshard.module import FSDPModule
+from fullshard.param import local_values
+from fullshard.unit import OwnedParam, unit_of
+
+
+# Original parameter -> description of the unit that took it. A parameter registered in
+# two units would get two independent shards that silently drift apart (the failure of
+# tied weights split across units), so a second unit asking for it is refused.
+_OWNER = WeakIdKeyDictionary()  # weak, by identity: tensors compare elementwise
+
+_optimizer_hook = None  # check_optimizer_step's handle, once registered
+
+
+def claim(owned: list[OwnedParam], what: str, ignored) -> None:
+    """Record what a new unit took (and the parameters its call left to the user), and guard
+    optimizer steps from now on (check_optimizer_step)."""
+    global _optimizer_hook
+    for o in owned:
+        _OWNER[o.param] = f"{what} (as {o.fqn!r})"
+    _IGNORED.update((p, True) for p in ignored)
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer_step)
+
+def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Before every optimizer step (a global hook, registered by the first fully_shard): refuse
+    an optimizer that would silently not train a sharded model. Only the parameters that are
+    not DTensors, few in a sharded model, need a look."""
+    stale, unaveraged, sharded = [], [], False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, torch.distributed.tensor.DTensor):
+                sharded = True
+            elif p in _OWNER:
+                stale.append(_OWNER[p])
+            elif p.grad is not None and p not in _DDP_AVERAGED and p not in _IGNORED:
+                unaveraged.append(p)
+    if stale:
+        raise fail(f"this {type(optimizer).__name__} holds {len(stale)} parameters that fully_shard replaced "
+                   f"(e.g. {stale[0]}), so its steps would never change the model",
+                   "Build the optimizer after shard_model / fully_shard, from model.parameters().")
+    if sharded and unaveraged and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        unaveraged = [p for p in unaveraged if p not in ddp_averaged()]
+        if unaveraged:
+            shapes = [tuple(p.shape) for p in unaveraged[:6]]
+            raise fail(f"this {type(optimizer).__name__} steps on {len(unaveraged)} parameters that no unit manages "
+                       f"(shapes {shapes}) next to sharded ones: their gradients were not averaged across "
+                       f"ranks, so every rank would train its own copy of them",
+                       "Call fully_shard on the root module too, last (after its blocks), or use "
+                       "fullshard.shard_model, whose root is always a unit.")
+
+_DDP_AVERAGED = WeakIdKeyDictionary()  # parameters a DistributedDataParallel (e.g. replicate()'s) averages
+
+_IGNORED = WeakIdKeyDictionary()  # ignored_params: the user averages (or means to keep) them
+
+def ddp_averaged() -> WeakIdKeyDictionary:
+    """Parameters that live DistributedDataParallel instances (torch's replicate() makes one)
+    average. Found by a scan of the heap, on the path that would otherwise refuse the step,
+    and remembered, so a model that composes with DDP pays for it once."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DistributedDataParallel):  # type(), not isinstance: a dead weakref.proxy raises
+            _DDP_AVERAGED.update((p, True) for p in obj.parameters() if p.requires_grad)
+    return _DDP_AVERAGED
+
+def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims):
+    """Note [SPMD meshes]: the data-parallel mesh that `dp_mesh_dims` names in `mesh`; each
+    parameter, a DTensor on `mesh` replicated over those dims, becomes the DTensor of the other
+    dim (or its local part), keeping its spec there to show while full."""
+    from torch.distributed.tensor import DTensor, Replicate  # noqa: PLC0415
+
+    dp_mesh, dp_dims, tp_name = spmd_dp_mesh(mesh, dp_mesh_dims)
+    for o in owned:
+        p = o.param
+        if not isinstance(p, DTensor) or p.device_mesh != mesh or \
+                any(not isinstance(p.placements[i], Replicate) for i in dp_dims):
+            what = f"a DTensor placed {tuple(p.placements)} on {p.device_mesh}" if isinstance(p, DTensor) else \
+                "a plain tensor"
+            raise fail(f"with dp_mesh_dims, parameter {o.fqn!r} must be a DTensor on the mesh passed, Replicate() "
+                       f"on its data-parallel dims; it is {what}", "Distribute every parameter over the full mesh "
+                       "first (distribute_tensor / distribute_module), or pass the data-parallel sub-mesh as mesh.")
+        local = local_values(p)
+        if tp_name is not None:
+            tp = mesh.mesh_dim_names.index(tp_name)
+            local = DTensor.from_local(local, mesh[tp_name], [p.placements[tp]], run_check=False, shape=p.shape,
+                                       stride=p.stride())
+        o.view = (p._spec, dp_dims)
+        o.param = nn.Parameter(local, requires_grad=p.requires_grad)
+    return dp_mesh
+
+# Note [meshes of one call]: FSDP2's shard_placement_fn may return a ShardPlacementResult
+# that puts a parameter on a mesh of its own (torchtitan shards MoE experts over the
+# expert-data-parallel mesh, the rest of the block over the data-parallel one, in one
+# fully_shard call). fully_shard then makes one unit per mesh, all of the same modules:
+# the call's own mesh's first, whose hooks run first and which is the root when the
+# module is. Each unit gathers and reduces over its own mesh; the module's hooks are a
+# list (hooks.hooks_on), and every FSDPModule method applies to all of a module's units.
+
+def set_split_dims(owned: list[OwnedParam], shard_placement_fn) -> None:
+    """Set the dim each parameter is split along, and the mesh it is sharded over, from FSDP2's
+    shard_placement_fn (Note [another dim], Note [meshes of one call]): None is Shard(0) on the
+    call's mesh; a negative dim counts from the last; a ShardPlacementResult names a mesh too."""
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+
+    for o in owned:
+        placement = shard_placement_fn(o.param)
+        if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # torch's ShardPlacementResult
+            placement, o.mesh = placement.placement, result_mesh(placement.mesh_info, o.fqn)
+        if placement is None:
+            continue
+        ndim = o.param.dim()
+        if type(placement) is not Shard or not -ndim <= placement.dim < max(ndim, 1):
+            raise fail(f"shard_placement_fn returned {placement!r} for {o.fqn!r}, a parameter of shape "
+                       f"{tuple(o.param.shape)}", f"Return None or Shard(d) with -{ndim} <= d < {ndim} "
+                       "(a 0-d parameter takes None or Shard(0)), or a ShardPlacementResult of one.")
+        if placement.dim % max(ndim, 1) and isinstance(o.param, DTensor):
+            raise fail(f"shard_placement_fn asked for Shard({placement.dim}) for {o.fqn!r}, a tensor-parallel "
+                       "DTensor; fullshard splits those along dim 0 only", "Return None for tensor-parallel "
+                       "parameters.")
+        o.dim = placement.dim % max(ndim, 1)
+
+def result_mesh(mesh_info, fqn: str):
+    """The DeviceMesh of a ShardPlacementResult's FSDPMeshInfo (1-D: shard over it) or HSDPMeshInfo
+    (replicate over dim 0, shard over dim 1), as fully_shard's `mesh` argument would give it."""
+    mesh = getattr(mesh_info, "mesh", None)
+    shard, replicate = getattr(mesh_info, "shard_mesh_dim", None), getattr(mesh_info, "replicate_mesh_dim", None)
+    layout = (mesh.ndim, shard, replicate) if mesh is not None else None
+    if layout not in ((1, 0, None), (2, 1, 0)) or getattr(mesh_info, "dp_mesh_dims", None) is not None:
+        raise fail(f"shard_placement_fn gave {fqn!r} a mesh of {type(mesh_info).__name__} {layout} (ndim, shard "
+                   f"dim, replicate dim)", "Give an FSDPMeshInfo of a 1-D mesh (shard_mesh_dim=0), or an "
+                   "HSDPMeshInfo of a 2-D mesh (replicate_mesh_dim=0, shard_mesh_dim=1).")
+    return mesh
+
+def reshard_for_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """model.state_dict() between steps returns the shards, also of a unit a forward left full
+    (the root's, kept for a backward that has not come) or whose parameters were assigned."""
+    for hooks in hooks_on(module):
+        if hooks.phase is Phase.IDLE and hooks.shown is None:
+            hooks.unit.reshard()
+            hooks.unit.adopt_replaced()
+
+def reshard_for_load(module: nn.Module, *args) -> None:
+    """Before load_state_dict: the shards on the modules, for the load to copy into or assign over."""
+    reshard_for_state_dict(module, "", False)
+
+def adopt_loaded(module: nn.Module, incompatible_keys) -> None:
+    """After load_state_dict(assign=True): what it assigned becomes the shards at once, so the
+    parameters an optimizer is built from next, full_params and clipping see are the unit's."""
+    for hooks in hooks_on(module):
+        if hooks.phase is Phase.IDLE and hooks.shown is None:
+            hooks.unit.adopt_replaced()
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Put the buffers under `module` on the compute device, as the parameters are (a model
+    built on the CPU keeps e.g. rotary `inv_freq` there, and forward would mix devices).
+    As FSDP2 does, each buffer object stays and only its data moves, so every reference to
+    it (a buffer registered in several modules, one a user kept) stays valid; meta buffers
+    wait for materialization."""
+    with torch.no_grad():
+        for buffer in module.buffers():  # each tensor once
+            if not buffer.is_meta and runtime.active.elsewhere(buffer, device):
+                buffer.data = runtime.active.to_device(buffer, device)
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+def fsdp_class(cls: type) -> type:
+    """FSDP<cls>: a subclass of both FSDPModule and `cls`, so the module keeps its behaviour."""
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+def owned_params(module: nn.Module, exclude: Iterable[nn.Parameter] = ()) -> list[OwnedParam]:
+    """The parameters under `module` that no inner unit manages, each with every place it is registered.
+
+    Places inside inner units count too: a tied weight an inner unit left to this one is
+    swapped there as well. Modules under PyTorch's replicate() are its, as in FSDP2: their
+    gradients are DDP's to average.
+    """
+    excluded = set(exclude)
+    managed = {tensor for unit in units_under(module) for p in unit.params for tensor in (p.sharded, p.unsharded)}
+    replicated = {m for top in module.modules() if "replicate" in top.__dict__.get(REGISTRY_KEY, {})
+                  for m in top.modules()}
+    owned: dict[nn.Parameter, OwnedParam] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        if sub in replicated:
+            continue
+        for name, param in sub._parameters.items():
+            if param is None or param in excluded or param in managed:
+                continue
+            if param not in owned:
+                owned[param] = OwnedParam(param, f"{prefix}.{name}" if prefix else name, [])
+            if (sub, name) not in owned[param].slots:
+                owned[param].slots.append((sub, name))
+    return list(owned.values())
+
+def owned_by(modules: list[nn.Module], exclude: Iterable[nn.Parameter]) -> list[OwnedParam]:
+    """owned_params of one module, or of a module group (Note [module groups]), whose members'
+    names are prefixed by their position ("[1].weight") and whose shared parameters count once."""
+    if len(modules) == 1:
+        return owned_params(modules[0], exclude)
+    merged: dict[nn.Parameter, OwnedParam] = {}
+    for i, module in enumerate(modules):
+        for o in owned_params(module, exclude):
+            if o.param in merged:
+                merged[o.param].slots.extend(slot for slot in o.slots if slot not in merged[o.param].slots)
+            else:
+                merged[o.param] = OwnedParam(o.param, f"[{i}].{o.fqn}", o.slots)
+    return list(merged.values())
+
+def check_owned(what: str, owned: list[OwnedParam], group: ShardGroup) -> None:
+    """Refuse parameters that another unit manages, DTensors of a parallelism fullshard cannot
+    shard further, or parameters on several devices."""
+    for o in owned:
+        if o.param in _OWNER:
+            raise fail(
+                f"parameter {o.fqn!r} of this {what} is already managed by the unit of {_OWNER[o.param]}; "
+                f"a parameter must belong to exactly one unit",
+                "Shard the lowest common ancestor of every module that uses it instead (e.g. do "
+                "not shard an output head separately when its weight is tied to the embedding), "
+                "or use fullshard.shard_model, which leaves tied parameters to that ancestor.",
+            )
+        if isinstance(o.param, torch.distributed.tensor.DTensor):
+            owner = unit_of(o.param)
+            if owner is not None:
+                raise fail(f"parameter {o.fqn!r} of this {what} is already sharded by the unit of a "
+                           f"{type(owner.module).__name__} that contains it",
+                           "Apply fully_shard bottom-up: the blocks first, the root last (or use "
+                           "fullshard.shard_model, which does).")
+            check_tp_mesh(group.mesh, o.param.device_mesh, tuple(o.param.placements), o.fqn)
+    devices = {o.param.device for o in owned}
+    if len(devices) > 1:
+        listing = ", ".join(f"{o.fqn!r} on {o.param.device}" for o in owned)
+        raise fail(f"the parameters of this {what} are on different devices ({listing})",
+                   "Move the module to one device (module.to(device)) before sharding it.")
+
+def after_forward(reshard_after_forward: bool | int, group: ShardGroup) -> tuple[bool, int]:
+    """(free after forward, the post-forward world of Note [smaller world after forward]) of a
+    unit over `group` for fully_shard's `reshard_after_forward`."""
+    if type(reshard_after_forward) is not int:
+        return reshard_after_forward, 1
+    k = reshard_after_forward
+    if k not in (1, group.world) and group.mesh.size() != torch.distributed.get_world_size():
+        raise fail(f"reshard_after_forward={k} on a data-parallel mesh of part of the ranks",
+                   "Pass True or False with a sub-mesh (e.g. with tensor parallelism).")
+    if not 1 <= k <= group.world or group.world % k:
+        raise fail(f"reshard_after_forward={k} does not divide the {group.world} ranks parameters are "
+                   f"sharded over", f"Pass a divisor of {group.world}, e.g. the ranks per node.")
+    return k > 1, 1 if k == group.world else k  # k = world is True; k = 1 keeps everything
