@@ -8,7 +8,9 @@ gloo ranks, fp32, SGD: fullshard (shard_model, a unit per block and the root), F
 (fully_shard per block, then the root) and DDP, alternated round by round (A B C A B C
 ...), each round `steps` timed steps after 3 warm-up ones. Times are rank 0's, medians over
 every step of every round: the step, its forward and its backward (each ended by a barrier,
-so a rank waiting for its peer counts). Per unit: (implementation - DDP) / 3 units.
+so a rank waiting for its peer counts), as wall time and as the main thread's CPU time
+(time.thread_time: the host's own work, not its waits nor gloo's threads). Per unit:
+(implementation - DDP) / 3 units.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def build(impl: str) -> torch.nn.Module:
     return model
 
 
-def timed_round(impl: str, steps: int) -> list[tuple[float, float, float]]:
+def timed_round(impl: str, steps: int) -> list[tuple[float, ...]]:
     model = build(impl)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -54,19 +56,25 @@ def timed_round(impl: str, steps: int) -> list[tuple[float, float, float]]:
     for i in range(steps + 3):
         x = torch.randint(0, 512, (2, 33), generator=generator)
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         loss = model(x[:, :-1], x[:, 1:])
+        cpu_forward = time.thread_time()
         dist.barrier()
         forward = time.perf_counter()
+        cpu_forward_end = time.thread_time()
         loss.backward()
+        cpu_backward = time.thread_time()
         dist.barrier()
         backward = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
+        cpu_end = time.thread_time()
         dist.barrier()
         end = time.perf_counter()
         if i >= 3:
-            out.append((end - start, forward - start, backward - forward))
+            out.append((end - start, forward - start, backward - forward,
+                        cpu_end - cpu_start - (cpu_forward_end - cpu_forward), cpu_forward - cpu_start,
+                        cpu_backward - cpu_forward_end))
     return out
 
 
@@ -74,23 +82,25 @@ def worker(rank: int, port: int, rounds: int, steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    times: dict[str, list[tuple[float, float, float]]] = {impl: [] for impl in IMPLS}
+    times: dict[str, list[tuple[float, ...]]] = {impl: [] for impl in IMPLS}
     for _ in range(rounds):
         for impl in IMPLS:
             times[impl] += timed_round(impl, steps)
     if rank == 0:
-        med = {impl: [statistics.median(t[k] for t in times[impl]) * 1e3 for k in range(3)] for impl in IMPLS}
+        med = {impl: [statistics.median(t[k] for t in times[impl]) * 1e3 for k in range(6)] for impl in IMPLS}
         print(f"tiny GPT (2 blocks, width 64, vocab 512, seq 32, global batch 4), world 2 gloo, fp32, "
-              f"{rounds} rounds x {steps} steps, medians (ms):\n")
-        print("| | step | forward | backward | step - DDP | forward per unit - DDP | backward per unit - DDP |")
-        print("|---|---|---|---|---|---|---|")
-        for impl in IMPLS:
-            step, fwd, bwd = med[impl]
-            ddp = med["ddp"]
-            print(f"| {impl} | {step:.2f} | {fwd:.2f} | {bwd:.2f} | {step - ddp[0]:.2f} | "
-                  f"{(fwd - ddp[1]) / UNITS:.2f} | {(bwd - ddp[2]) / UNITS:.2f} |")
-        ours, theirs = med["fullshard"][0] - med["ddp"][0], med["fsdp2"][0] - med["ddp"][0]
-        print(f"\n(fullshard - DDP) / (FSDP2 - DDP) = {ours / theirs:.2f}")
+              f"{rounds} rounds x {steps} steps, medians (ms)")
+        for title, at in (("wall time", 0), ("main thread's CPU time", 3)):
+            print(f"\n{title}:\n")
+            print("| | step | forward | backward | step - DDP | forward per unit - DDP | backward per unit - DDP |")
+            print("|---|---|---|---|---|---|---|")
+            ddp = med["ddp"][at : at + 3]
+            for impl in IMPLS:
+                step, fwd, bwd = med[impl][at : at + 3]
+                print(f"| {impl} | {step:.2f} | {fwd:.2f} | {bwd:.2f} | {step - ddp[0]:.2f} | "
+                      f"{(fwd - ddp[1]) / UNITS:.2f} | {(bwd - ddp[2]) / UNITS:.2f} |")
+            ours, theirs = med["fullshard"][at] - ddp[0], med["fsdp2"][at] - ddp[0]
+            print(f"\n(fullshard - DDP) / (FSDP2 - DDP) = {ours / theirs:.2f}")
     dist.barrier()
     dist.destroy_process_group()
 

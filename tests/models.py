@@ -223,7 +223,8 @@ def build(strategy: str, precision: str, offload: bool, mode: str, n_layer: int 
     "hybrid_f1"/"hybrid_f2": shard groups of 1/2, "reshard_to_2": reshard_after_forward=2),
     with prefetch unless `mode` is "no_prefetch"."""
     import fullshard
-    from fullshard.hooks import Schedule
+    from fullshard.init import shard_unit  # fully_shard with shard_model's prefetch schedule
+    from fullshard.options import Schedule
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=n_layer, n_head=2, n_embd=30, bias=False))
@@ -233,9 +234,9 @@ def build(strategy: str, precision: str, offload: bool, mode: str, n_layer: int 
     options = dict(mp_policy=mp, offload_policy=policy)
     if strategy == "reshard_to_2":
         schedule = Schedule(prefetch_before_backward=prefetch, forward_prefetch=prefetch, limit=2)
-        for block in model.h:
-            fullshard.fully_shard(block, reshard_after_forward=2, _schedule=schedule, **options)
-        fullshard.fully_shard(model, _schedule=schedule, **options)
+        for module, k in [*((block, 2) for block in model.h), (model, True)]:
+            shard_unit([module], type(module).__name__, mesh=None, reshard_after_forward=k, shard_placement_fn=None,
+                       ignored=(), dp_mesh_dims=None, exclude=(), schedule=schedule, **options)
     else:
         world = dist.get_world_size()
         mesh = {"hybrid_f1": hybrid_mesh(world, 1), "hybrid_f2": hybrid_mesh(world // 2, 2)}.get(strategy)

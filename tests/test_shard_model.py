@@ -162,32 +162,33 @@ def record_schedule(model: nn.Module, step) -> list[tuple[str, str]]:
     """The order of one step's events: a unit's hook entering ("fwd"/"bwd"), its gather
     being issued ("gather"), its gradient computation ("grad", when the gradient of its
     first op's output is computed), and its reduction being issued ("reduce")."""
-    from fullshard.hooks import Phase, RootContext
+    from fullshard.hooks import Phase, hooks_for
+    from fullshard.schedule import Scheduler
     from fullshard.unit import ShardState, Unit
 
     events: list[tuple[str, str]] = []
-    saved = Unit.unshard, Unit.reduce_grads, RootContext.record
+    saved = Unit.unshard, Unit.reduce_grads, Scheduler.record
 
-    def unshard(self):
-        if self.state is ShardState.SHARDED and self.pending is None:
+    def unshard(self, adopt=True):
+        if self.state is ShardState.SHARDED:
             events.append(("gather", self.fqn))
-        saved[0](self)
+        saved[0](self, adopt)
 
     def reduce_grads(self):
         events.append(("reduce", self.fqn))
         saved[1](self)
 
-    def record(self, hooks):
-        events.append(("fwd" if hooks.phase is Phase.FORWARD else "bwd", hooks.unit.fqn))
-        saved[2](self, hooks)
+    def record(self, unit):
+        events.append(("fwd" if hooks_for(unit).phase is Phase.FORWARD else "bwd", unit.fqn))
+        saved[2](self, unit)
 
     handles = [block.ln_1.register_full_backward_pre_hook(lambda m, g, name=f"h.{i}": events.append(("grad", name)))
                for i, block in enumerate(model.h)]
-    Unit.unshard, Unit.reduce_grads, RootContext.record = unshard, reduce_grads, record
+    Unit.unshard, Unit.reduce_grads, Scheduler.record = unshard, reduce_grads, record
     try:
         step()
     finally:
-        Unit.unshard, Unit.reduce_grads, RootContext.record = saved
+        Unit.unshard, Unit.reduce_grads, Scheduler.record = saved
         for handle in handles:
             handle.remove()
     return events

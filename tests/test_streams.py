@@ -235,3 +235,22 @@ def test_the_model_sees_each_missing_wait(on2, case):
 def test_bench_reports_host_syncs_independent_of_units(on2):
     # one per step: the read of every unit's non-finite flag at once (Note [host syncs])
     assert [got["bench_syncs"] for got in on2] == [[1, 1], [1, 1]]
+
+
+def test_the_model_offers_every_method_of_the_runtime():
+    """The stream model stands in for runtime.Runtime (runtime.installed): every method the
+    library calls on the seam exists there with the same parameters, so a method added to
+    the runtime and not to the model fails here, not silently in a modelled run."""
+    import inspect
+
+    from fullshard.runtime import Runtime
+    from fullshard.testing.stream_model import StreamModel
+
+    helpers = {"marker", "gpu"}  # wait_works' own, which the model's wait_works does not call
+    for name, method in vars(Runtime).items():
+        if name.startswith("_") or not callable(method) or name in helpers:
+            continue
+        modelled = getattr(StreamModel, name, None)
+        assert modelled is not None, f"StreamModel lacks Runtime.{name}"
+        assert list(inspect.signature(modelled).parameters) == list(inspect.signature(method).parameters), name
+    assert StreamModel.tracks and not Runtime.tracks

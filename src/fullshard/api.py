@@ -4,23 +4,16 @@ the methods units get module.py's), register_fsdp_forward_method and share_comm_
 from __future__ import annotations
 
 import functools
-from typing import Iterable
 
 import torch
 from torch import nn
-from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
-from fullshard.checks import bit_sums, check_ranks_agree, dp_groups
 from fullshard.errors import fail
-from fullshard.hooks import HOOKS_ATTR, Schedule, UnitHooks, hooks_on
-from fullshard.init import (after_forward, adopt_loaded, check_owned, claim, from_spmd_mesh,
-                            fsdp_class, move_buffers, owned_by, reshard_for_load, reshard_for_state_dict,
-                            set_split_dims)
-from fullshard.mesh import shard_group
+from fullshard.hooks import hooks_on
+from fullshard.init import shard_unit
 from fullshard.module import FSDPModule, hooks_of
-from fullshard.param import local_values
-from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, from_torch_policy
-from fullshard.unit import Unit, UnitConfig
+from fullshard.options import Schedule
+from fullshard.policy import MixedPrecisionPolicy, OffloadPolicy, checked_policies
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -68,8 +61,6 @@ def fully_shard(
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims=None,
-    _exclude: Iterable[nn.Parameter] = (),
-    _schedule: Schedule = Schedule(),
 ) -> nn.Module:
     """Make `module` one unit: its parameters (those no inner unit owns) are sharded together.
 
@@ -133,62 +124,10 @@ def fully_shard(
         raise fail(f"reshard_after_forward={reshard_after_forward!r} is not a bool or an int",
                    "Pass True (free after forward), False (keep until after backward) or an int k (keep "
                    "1/k after forward, gathered in backward inside groups of k ranks).")
-    mp_policy, offload_policy = from_torch_policy(mp_policy), from_torch_policy(offload_policy)
-    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
-                               ("offload_policy", offload_policy, OffloadPolicy)):
-        if policy is not None and not isinstance(policy, kind):
-            raise fail(f"{name} must be a fullshard.{kind.__name__} or None, got {type(policy).__name__}",
-                       f"Pass fullshard.{kind.__name__}(...).")
+    mp_policy, offload_policy = checked_policies(mp_policy, offload_policy)
     if ignored_params is not None and not all(isinstance(p, nn.Parameter) for p in ignored_params):
         raise fail("ignored_params must be a set of the module's nn.Parameters", "Pass e.g. {model.head.weight}.")
-    owned = owned_by(modules, [*_exclude, *(ignored_params or ())])
-    if shard_placement_fn is not None:
-        set_split_dims(owned, shard_placement_fn)
-    if dp_mesh_dims is not None:  # Note [SPMD meshes]
-        if mesh is None:
-            raise fail("fully_shard(dp_mesh_dims=...) needs the full mesh", "Pass mesh=the mesh the parameters "
-                       "are DTensors on, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\")).")
-        mesh = from_spmd_mesh(owned, mesh, dp_mesh_dims)
-    primary = shard_group(mesh)
-    parts = [(primary, [o for o in owned if o.mesh is None or o.mesh == primary.mesh])]  # Note [meshes of one call]
-    for o in owned:
-        if o.mesh is not None and o.mesh != primary.mesh:
-            part = next((p for sg, p in parts if sg.mesh == o.mesh), None)
-            if part is None:
-                parts.append((shard_group(o.mesh), part := []))
-            part.append(o)
-    for group, part in parts:
-        check_owned(what, part, group)
-        check_ranks_agree(f"this {what}",
-                          [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad, o.dim)
-                           for o in part], bit_sums([local_values(o.param) for o in part]), group.device,
-                          dp_groups(group))
-    mp = mp_policy or MixedPrecisionPolicy()
-    units = []
-    for group, part in parts:
-        free, post_forward_world = after_forward(reshard_after_forward, group)
-        config = UnitConfig(
-            free_after_forward=free,
-            post_forward_world=post_forward_world,
-            param_dtype=mp.param_dtype,
-            reduce_dtype=mp.reduce_dtype,
-            input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
-            output_dtype=mp.output_dtype,
-            offload=isinstance(offload_policy, CPUOffloadPolicy),
-            pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
-        )
-        units.append(Unit(modules, part, group, config))
-    claim(owned, what, ignored_params or ())
-    # the call's own mesh's unit hooks the modules last, so its pre-forward runs first (the root's is the root)
-    hooks = [UnitHooks(unit, _schedule) for unit in reversed(units)][::-1]
-    for m in modules:
-        move_buffers(m, primary.device)
-        m.__class__ = fsdp_class(type(m))
-        m.__dict__[HOOKS_ATTR] = hooks
-        m.register_state_dict_pre_hook(reshard_for_state_dict)
-        m.register_load_state_dict_pre_hook(reshard_for_load)
-        m.register_load_state_dict_post_hook(adopt_loaded)
-        # PyTorch's composable APIs look here for what manages a module: replicate() leaves a unit's
-        # parameters to it, as it does FSDP2's (it would all-reduce their gradients a second time)
-        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
+    shard_unit(modules, what, mesh=mesh, reshard_after_forward=reshard_after_forward,
+               shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+               ignored=ignored_params or (), dp_mesh_dims=dp_mesh_dims, exclude=(), schedule=Schedule())
     return module

@@ -51,13 +51,12 @@ from fullshard import dcp_format, manifest
 from fullshard.collectives import all_gather_json
 from fullshard.errors import EveryRankError, FullShardError, fail, require
 from fullshard.files import Folder, Overdue, View, Writer
-from fullshard.hooks import normal_tensors
+from fullshard.hooks import normal_tensors, units_of
 from fullshard.manifest import MAX_INT, Chunk, Contents, SavedTensor
 from fullshard.mesh import timed_group
 from fullshard.state_dict import (check_names_and_shapes, check_optimizer, check_path, get_state_dict,
                                   load_model_state, load_optimizer_state, new_like, optimizer_template, reshard_all,
                                   state_entries, value_of)
-from fullshard.training import units_of
 
 LATEST, COMPLETE, MANIFEST, METADATA = "LATEST", "COMPLETE", "fullshard.json", ".metadata"
 VERSION = re.compile(r"v-[0-9a-f]{12}")

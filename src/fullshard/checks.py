@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import zlib
-from datetime import timedelta
 
 import torch
 
 from fullshard.collectives import all_gather_ints, all_gather_json
-from fullshard.errors import fail
+from fullshard.errors import collective_failed, fail
+from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.mesh import ShardGroup
 from fullshard.runtime import CollectiveError
 
@@ -48,13 +48,14 @@ def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device
             if torch.distributed.get_world_size(group) > 1:
                 compare_ranks(what, described, sums, device, group)
     except CollectiveError as e:
-        raise fail(f"rank {torch.distributed.get_rank()}: comparing {what} across ranks did not finish ({e})",
-                   "Every rank must shard the same model at the same time; another rank did not, or died.") from None
+        raise collective_failed(f"comparing {what} across ranks", e,
+                                "Every rank must shard the same model at the same time; another rank did not, or "
+                                "died.") from None
 
 def compare_ranks(what: str, described: list[tuple], sums: list[int], device: torch.device,
                   group: torch.distributed.ProcessGroup | None) -> None:
     """check_ranks_agree within one group, without the deadline's message (ranks are the group's)."""
-    timeout = timedelta(seconds=300)
+    timeout = DEFAULT_TIMEOUT
     digest = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(sums).encode())]
     digests = all_gather_ints(digest, device=device, timeout=timeout, group=group)
     if len({structure for structure, _ in digests}) > 1:

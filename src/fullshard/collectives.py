@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from fullshard import runtime
+from fullshard.options import DEFAULT_TIMEOUT
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-DEFAULT_TIMEOUT = timedelta(seconds=300)  # Note [named hangs]
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,8 @@ class BufferPool:
 def exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor], peers: list[int], group: dist.ProcessGroup,
              tag: int) -> list:
     """Point-to-point: sends[i] to group rank peers[i], recvs[i] from it (Note [collective choice])."""
-    works = [dist.isend(t, group=group, group_dst=r, tag=tag) for t, r in zip(sends, peers)]
-    works += [dist.irecv(t, group=group, group_src=r, tag=tag) for t, r in zip(recvs, peers)]
+    works = [dist.irecv(t, group=group, group_src=r, tag=tag) for t, r in zip(recvs, peers)]
+    works += [dist.isend(t, group=group, group_dst=r, tag=tag) for t, r in zip(sends, peers)]
     return runtime.active.launched(works, reads=sends, writes=recvs)
 
 
@@ -237,12 +237,18 @@ def gather_full(
     rt.wait_stream(stream, rt.current_stream(device))  # the optimizer may have just written the shard
     with rt.use(stream):
         casts = bytes_of or [None] * len(shards)
-        staged = len(shards) != 1 or shards[0].dtype != dtype or rt.elsewhere(shards[0], device) or \
-            bytes_of is not None
+        elsewhere = bool(shards) and rt.elsewhere(shards[0], device)  # a unit's shards share one device
+        staged = len(shards) != 1 or shards[0].dtype != dtype or elsewhere or bytes_of is not None
         if staged:
             sizes = [s.numel() * (cast.itemsize if cast else 1) for s, cast in zip(shards, casts)]
             local_flat = pool.take((sum(sizes),), dtype, device)  # [unit_shard_numel], of dtype
             offset = 0
+            if shards and bytes_of is None and not elsewhere:
+                torch.cat(shards, out=local_flat)  # one kernel that also casts (mixed precision)
+                if rt.tracks:
+                    rt.reads(*shards)
+                    rt.writes(local_flat)
+                shards = []
             for shard, cast, size in zip(shards, casts, sizes):  # from pinned host memory: overlaps compute on GPUs
                 if cast is None:
                     rt.copy_(local_flat[offset : offset + size], shard)
@@ -298,39 +304,50 @@ def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numel
         pool.give(pending.local_flat)
 
 
-def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], ranks: list[int], out: torch.Tensor) -> None:
-    """Write, for each r = ranks[i], rank r's rows of every full gradient into out[i],
-    followed by one has-gradient flag per gradient ([len(ranks), grad_shard_numel + n_flags]).
+def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], out: torch.Tensor) -> None:
+    """Write every rank's rows of every full gradient into out[rank], followed by one
+    has-gradient flag per gradient ([world, grad_shard_numel + n_flags]).
 
     Rows are zero where a gradient is missing or padded; the flags are 1 where this rank
     has the gradient, so after the reduction each rank knows whether any rank had one (a
     gradient no rank has stays None, as in plain PyTorch). A 0-d gradient is in every row.
-    The flags are written on the device, so packing never waits for the GPU.
+    The flags are written on the device, so packing never waits for the GPU. When every
+    gradient is there in the row's dtype, one fused chunk-and-concatenate kernel packs
+    them all (torch._chunk_cat pads each chunk as Note [shard layout] does).
     """
-    total = sum(shard_numels)
-    out[:, total:].fill_(1)
-    runs = [(i, r) for i, r in enumerate(ranks) if i == 0 or r != ranks[i - 1] + 1]  # starts of consecutive ranks
-    offset = 0
-    for i, (grad, numel) in enumerate(zip(grads, shard_numels)):
-        dst = out[:, offset : offset + numel]  # [len(ranks), shard_numel]
-        offset += numel
-        if grad is None:
-            dst.zero_()
-            out[:, total + i].zero_()
-        elif grad.dim() == 0:
-            dst.copy_(grad.expand(len(ranks), 1))
-        elif numel:
-            flat = grad.reshape(-1)
-            for (i, first), (j, _) in zip(runs, runs[1:] + [(len(ranks), None)]):
-                whole = max(0, min(j - i, flat.numel() // numel - first))  # ranks whose rows are all real
-                dst[i : i + whole].copy_(flat[first * numel : (first + whole) * numel].view(whole, numel))
-                if i + whole < j:  # a rank with some real rows, then ranks with none
-                    rest = max(0, flat.numel() - (first + whole) * numel)
-                    dst[i + whole, :rest].copy_(flat[(first + whole) * numel :])
-                    dst[i + whole, rest:].zero_()
-                    dst[i + whole + 1 : j].zero_()
-    runtime.active.reads(*[g for g in grads if g is not None])
-    runtime.active.writes(out)
+    world = out.size(0)
+    fused = True
+    for g in grads:  # a loop, not all(): per reduce-scatter, kept free of calls
+        fused = fused and g is not None and g.dtype == out.dtype
+    if fused:
+        parts = [g.reshape(1).expand(world) if g.dim() == 0 else g for g in grads]
+        flags = torch.ones((world, len(grads)), dtype=out.dtype, device=out.device)
+        torch._chunk_cat([*parts, flags], dim=0, num_chunks=world, out=out)
+    else:
+        total = sum(shard_numels)
+        out[:, total:].fill_(1)
+        offset = 0
+        for i, (grad, numel) in enumerate(zip(grads, shard_numels)):
+            dst = out[:, offset : offset + numel]  # [world, shard_numel]
+            offset += numel
+            if grad is None:
+                dst.zero_()
+                out[:, total + i].zero_()
+            elif grad.dim() == 0:
+                dst.copy_(grad.expand(world, 1))
+            elif numel:
+                flat = grad.reshape(-1)
+                whole = min(world, flat.numel() // numel)  # ranks whose rows are all real
+                dst[:whole].copy_(flat[: whole * numel].view(whole, numel))
+                if whole < world:  # a rank with some real rows, then ranks with none
+                    rest = flat.numel() - whole * numel
+                    dst[whole, :rest].copy_(flat[whole * numel :])
+                    dst[whole, rest:].zero_()
+                    dst[whole + 1 :].zero_()
+    rt = runtime.active
+    if rt.tracks:
+        rt.reads(*[g for g in grads if g is not None])
+        rt.writes(out)
 
 
 @dataclass
@@ -338,7 +355,7 @@ class PendingReduce:
     """A reduction in flight; `finish_reduce` turns it into this rank's averaged row."""
 
     works: list  # the reduce-scatter (or the point-to-point messages) inside the shard group
-    sent: torch.Tensor | None  # [world - 1 or world, row_numel], kept alive until the sends are done
+    sent: torch.Tensor | None  # [world, row_numel], kept alive until the sends are done
     received: torch.Tensor | None  # [world - 1, row_numel] rows from the peers, in rank order (gloo)
     shard: torch.Tensor  # [row_numel]
     stream: torch.cuda.Stream | None  # the reduce stream
@@ -380,12 +397,14 @@ def reduce_scatter_grads(
     sent, received, works = None, None, []
     p2p = shard_group is not None and rt.point_to_point(shard_group)
     peers = [r for r in range(world) if r != rank]
+    if shard_group is None:
+        pack_rows(grads, shard_numels, shard.view(1, -1))  # the only row is the result
+    else:
+        sent = pool.take((world, row_numel), dtype, device)  # [world, row_numel]: every rank's rows
+        pack_rows(grads, shard_numels, sent)
+        if p2p:  # own row straight into the result, Note [collective choice]
+            shard.copy_(sent[rank])
     own = shard_group is None or p2p
-    if own:
-        pack_rows(grads, shard_numels, [rank], shard.view(1, -1))  # own row straight into the result
-    if shard_group is not None:
-        sent = pool.take((len(peers) if p2p else world, row_numel), dtype, device)  # [world (- 1), row_numel]
-        pack_rows(grads, shard_numels, peers if p2p else list(range(world)), sent)
     group = shard_group or replicate_group
     backend = "gloo" if group is None or p2p else dist.get_backend(group)
     summed_over = world * (replicate_group.size() if replicate_group is not None else 1)
@@ -401,7 +420,7 @@ def reduce_scatter_grads(
     with rt.use(stream):
         if p2p:
             received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
-            works = exchange(list(sent), list(received), peers, shard_group, caller.tag)
+            works = exchange([sent[r] for r in peers], list(received), peers, shard_group, caller.tag)
         elif shard_group is not None:
             works = rt.launched([_reduce_scatter_single(shard, sent.view(-1), op=op, group=shard_group,
                                                         async_op=True)], reads=[sent], writes=[shard])
@@ -462,6 +481,14 @@ def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
         if buffer is not None:
             pool.give(buffer)
     return shard
+
+
+def redistribute(value, placements: tuple):
+    """A DTensor gradient (a tensor-parallel partial sum) in `placements`: DTensor's own
+    collective over the TP mesh's groups, under their process group's timeout (DTensor's
+    collectives take no other; a TP group created by init_device_mesh has the default
+    group's)."""
+    return value.redistribute(placements=placements)
 
 
 def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup, caller: Caller) -> int:

@@ -1,4 +1,9 @@
-"""The one exception users see from fullshard."""
+"""The one exception users see from fullshard, and how its messages are built."""
+
+import torch.distributed as dist
+
+RESTART = ("Every rank must make the same call at the same point; another rank did not, or died. Restart the job "
+           "(fullshard train --max-restarts N resumes from the last checkpoint).")
 
 
 class FullShardError(ValueError):
@@ -16,6 +21,19 @@ class EveryRankError(FullShardError):
 def fail(what: str, fix: str) -> FullShardError:
     """Build the error for `what` went wrong, ending with how to `fix` it."""
     return FullShardError(f"{what}. {fix}")
+
+
+def collective_failed(what: str, error: Exception, fix: str = RESTART, timeout=None) -> FullShardError:
+    """Note [named hangs]: the error of a rank whose collective `what` (e.g. "the all-gather of
+    unit 'h.0' at step 3") did not finish (within `timeout`, a timedelta, when given) with
+    `error`. An error that names the collective itself (runtime.OverdueCollective: another
+    collective the hang watch saw overdue) is said as it is."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if getattr(error, "names_the_collective", False):
+        return fail(f"rank {rank}: {error}", fix)
+    within = f" within {timeout.total_seconds():g} s" if timeout is not None else ""
+    return fail(f"rank {rank}: {what} did not finish{within} ({str(error).splitlines()[0] if str(error) else error!r})",
+                fix)
 
 
 def require(ok: bool, what: str, fix: str) -> None:

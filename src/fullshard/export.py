@@ -13,10 +13,9 @@ from torch import nn
 
 from fullshard.checkpoint import agree, os_problem
 from fullshard.files import Folder
-from fullshard.hooks import normal_tensors
+from fullshard.hooks import normal_tensors, units_of
 from fullshard.param import ShardedParam
 from fullshard.state_dict import check_path, reshard_all, state_entries, value_of
-from fullshard.training import units_of
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -64,7 +64,6 @@ import dataclasses
 import functools
 from collections import UserDict
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Callable, Iterator
 
@@ -76,7 +75,9 @@ from torch.autograd import Variable
 from fullshard import runtime
 from fullshard.collectives import BufferPool, all_gather_ints
 from fullshard.errors import fail
-from fullshard.runtime import CollectiveError
+from fullshard.options import Schedule
+from fullshard.runtime import CollectiveError, labelled
+from fullshard.schedule import Scheduler
 from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
 
@@ -122,6 +123,19 @@ def hooks_for(unit: Unit) -> UnitHooks:
 def units_under(module: nn.Module) -> list[Unit]:
     """The units of `module` and its submodules, outermost first (a module group's once)."""
     return list(dict.fromkeys(hooks.unit for m in module.modules() for hooks in hooks_on(m)))
+
+
+def units_of(model: nn.Module, what: str) -> list[Unit]:
+    """units_under a model a public function (`what`) was given, refusing anything else."""
+    if not isinstance(model, nn.Module):  # e.g. model.parameters(), as torch's clip_grad_norm_ takes
+        raise fail(f"{what} takes the sharded model (an nn.Module), got {type(model).__name__}",
+                   "Pass the model itself (torch's own clip_grad_norm_ takes model.parameters() and works on "
+                   "fullshard's gradients too).")
+    units = units_under(model)
+    if not units:
+        raise fail(f"{what} was given a model that fullshard has not sharded",
+                   "Call fullshard.shard_model(model) or fully_shard on it first.")
+    return units
 
 
 class Phase(Enum):
@@ -192,16 +206,6 @@ def cast_floats(obj: Any, dtype: torch.dtype | None, *, output: bool = False) ->
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, obj, output=output)
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """When units gather ahead of use, Note [prefetch]; shard_model resolves its knobs into this."""
-
-    prefetch_before_backward: bool = True  # "pre": before the current unit's gradient computation
-    prefetch_after_backward: bool = False  # "post": after it
-    forward_prefetch: bool = False
-    limit: int | None = 1  # units gathered ahead of use at once; None: no limit
-
-
 class PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs whose backward marks the end of the unit's backward."""
 
@@ -217,30 +221,27 @@ class PostBackward(torch.autograd.Function):
 
 
 class RootContext:
-    """What the units under one root share: prefetch order, limiter, buffers, stats, final callback."""
+    """What the units under one root share: the scheduler, buffers, stats, final callback."""
 
     def __init__(self, units: list[UnitHooks], schedule: Schedule) -> None:
         self.units = units
-        self.schedule = schedule
+        self.scheduler = Scheduler(schedule)
         self.pool = BufferPool()
         self.stats = Stats()
         self.callback_queued = False
-        self.order: list[UnitHooks] = []  # this step's forward order, first calls only
-        self.last_order: list[UnitHooks] = []
-        self.ahead: list[UnitHooks] = []  # gathered ahead of use, not used yet
-        self.reducing: UnitHooks | None = None  # the unit whose reduction is in flight
         self.step = 0  # backward passes finished
         self.checked_first_forward = False
 
-    # ---- prefetch, Note [prefetch] --------------------------------------------------
-
     def start_forward(self) -> None:
-        if self.order:
-            self.last_order, self.order = self.order, []
-        for hooks in self.units:  # a forward without backward left them; the shards may have changed since
-            hooks.unit.drop_small()
-            hooks.unit.step = self.step + 1
-            hooks.unit.evaluating = not torch.is_grad_enabled()
+        """The root's forward begins: the step counts on, and parameters assigned in the shards'
+        place since the last forward are taken (Note [replaced parameters])."""
+        self.scheduler.start_forward()
+        evaluating = not torch.is_grad_enabled()
+        for hooks in self.units:
+            unit = hooks.unit
+            unit.begin_forward(self.step + 1, evaluating)
+            if unit.state is not ShardState.FULL:
+                unit.adopt_replaced()
 
     def check_first_forward(self, root: Unit) -> None:
         """Before the first gather: every rank runs this forward, and all with gradients or all
@@ -263,45 +264,6 @@ class RootContext:
                        "alone inside `with fullshard.full_params(model, rank0_only=True, writeback=False):`, "
                        "which every rank enters.")
 
-    def record(self, hooks: UnitHooks) -> None:
-        if hooks.ahead_of_use:
-            self.ahead.remove(hooks)
-            hooks.ahead_of_use = False
-        if hooks not in self.order:
-            self.order.append(hooks)
-
-    def prefetch(self, targets: list[UnitHooks], *, limited: bool) -> None:
-        for target in targets:
-            if limited and self.schedule.limit is not None and len(self.ahead) >= self.schedule.limit:
-                return
-            if target.unit.state is ShardState.SHARDED and target.unit.pending is None:
-                target.unit.unshard()
-                target.ahead_of_use = True
-                self.ahead.append(target)
-
-    def prefetch_forward(self, hooks: UnitHooks) -> None:
-        if hooks.forward_targets is not None:
-            self.prefetch(hooks.forward_targets, limited=False)
-        elif self.schedule.forward_prefetch and hooks in self.last_order:
-            self.prefetch(self.last_order[self.last_order.index(hooks) + 1 :], limited=True)
-
-    def prefetch_backward(self, hooks: UnitHooks) -> None:
-        if hooks.backward_targets is not None:
-            self.prefetch(hooks.backward_targets, limited=False)
-        elif hooks in self.order:
-            self.prefetch(self.order[: self.order.index(hooks)][::-1], limited=True)
-
-    def ran_last(self, hooks: UnitHooks) -> bool:
-        """Whether `hooks` was the last unit to start its forward in the previous step."""
-        return bool(self.last_order) and self.last_order[-1] is hooks
-
-    def drop_unused_prefetches(self) -> None:
-        """End of forward: units prefetched but never run (the order changed) are freed."""
-        for hooks in self.ahead:
-            hooks.unit.reshard()
-            hooks.ahead_of_use = False
-        self.ahead.clear()
-
     # ---- backward ---------------------------------------------------------------------
 
     def reduce_issued(self, hooks: UnitHooks) -> None:
@@ -314,13 +276,13 @@ class RootContext:
         if not self.callback_queued:
             self.callback_queued = True
             for hooks in self.units:
-                hooks.unit.evaluating = False
+                hooks.unit.begin_backward()
             Variable._execution_engine.queue_callback(self.final_callback)
 
     def final_callback(self) -> None:
         """End of backward: reduce what no PostBackward reduced, reshard every unit, and land
         the gradients that waited for the host (Note [landing])."""
-        with torch.profiler.record_function("fullshard::final_callback"):
+        with labelled("fullshard::final_callback"):
             for hooks in reversed(self.units):
                 hooks.finish_backward()
             reduced = any(hooks.unit.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
@@ -330,8 +292,7 @@ class RootContext:
                 hooks.unit.land_queued()
             if [hooks.unit.settle_all_reduce() for hooks in self.units].count(True):
                 self.host_waits("the gradients all-reduced across replicas")  # once for every unit
-        self.drop_unused_prefetches()
-        self.reducing = None
+        self.scheduler.end_backward()
         self.callback_queued = False
         self.stats.steps += 1
         self.step += 1
@@ -354,15 +315,15 @@ class RootContext:
         or all skip the step (no gradients). Ranks may run other units (pipeline stages), so
         each reports a code, 2 x its first such unit's index + 1 if its policy raises. One read
         of the device flags per backward that reduced (Note [host syncs])."""
-        checked = [hooks.unit for hooks in self.units if hooks.unit.nonfinite is not None]
+        checked = [hooks.unit for hooks in self.units if hooks.unit.switches.nonfinite is not None]
         if not checked:
             return
         unit = self.units[0].unit
         bad = torch.full((1,), -1, dtype=torch.int64, device=unit.compute_device)  # first unit not finite, or -1
         for other in reversed(checked):
             if other.finite is not None:
-                bad = torch.where(other.finite, bad, 2 * other.index + (other.nonfinite == "raise"))
-            other.finite = None
+                bad = torch.where(other.finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
+            other.clear_finite()
         try:
             codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout)]
         except CollectiveError as e:
@@ -391,8 +352,7 @@ class RootContext:
         """Drop the step in flight: every unit sharded, no gather or reduction pending, no full gradient."""
         for hooks in self.units:
             hooks.reset()
-        self.drop_unused_prefetches()
-        self.reducing = None
+        self.scheduler.end_backward()
         self.callback_queued = False
 
 
@@ -410,17 +370,14 @@ class UnitHooks:
 
     def __init__(self, unit: Unit, schedule: Schedule) -> None:
         self.unit = unit
-        self.schedule = schedule  # the root's applies to every unit under it (ctx.schedule)
+        self.schedule = schedule  # the root's applies to every unit under it (its Scheduler's)
         self.ctx: RootContext | None = None
         self.is_root = False
-        self.free_after_forward = unit.config.free_after_forward
-        self.keep_if_last = True  # Note [kept after forward]
         self.phase = Phase.IDLE
         self.needs_reduce = False
-        self.ahead_of_use = False
-        self.forward_targets: list[UnitHooks] | None = None  # explicit prefetch lists
-        self.backward_targets: list[UnitHooks] | None = None
-        self.shown: bool | None = None  # inside full_params: whether this rank sees the full parameters
+        self.forward_targets: list[Unit] | None = None  # explicit prefetch lists (set_prefetch_targets)
+        self.backward_targets: list[Unit] | None = None
+        self.shown: bool | None = None  # inside full_params: whether this rank sees the full parameters (show)
         self.members = frozenset(id(m) for m in unit.modules) if len(unit.modules) > 1 else frozenset()
         self.to_run: set[int] = set()  # a module group's members yet to run this forward (Note [module groups])
         for module in unit.modules:
@@ -437,11 +394,20 @@ class UnitHooks:
             for index, hooks in enumerate(units):
                 hooks.ctx = ctx
                 hooks.is_root = hooks is self
-                hooks.free_after_forward = hooks.unit.config.free_after_forward and not hooks.is_root
-                hooks.unit.fqn, hooks.unit.index, hooks.unit.names = fqns[index], index, fqns
-                hooks.unit.pool = ctx.pool
-                hooks.unit.stats = ctx.stats
+                hooks.unit.join(fqns[index], index, fqns, ctx.pool, ctx.stats)
         return self.ctx
+
+    def set_prefetch_targets(self, *, forward: list[Unit] | None = None, backward: list[Unit] | None = None) -> None:
+        """FSDP2's set_modules_to_forward_prefetch / _backward_prefetch: explicit lists (one side at a time)."""
+        if forward is not None:
+            self.forward_targets = forward
+        if backward is not None:
+            self.backward_targets = backward
+
+    def show(self, visible: bool | None) -> None:
+        """Inside full_params (Note [forward inside full_params]): whether this rank sees the full
+        parameters; None when the context ends."""
+        self.shown = visible
 
     @torch.compiler.disable  # Note [compiled modules]
     @normal_tensors
@@ -453,9 +419,9 @@ class UnitHooks:
                            "only shards and cannot gather them while rank 0 computes alone",
                            "Run the model only on rank 0 inside that context (e.g. `if rank == 0: evaluate()`).")
             return args, kwargs
-        args, kwargs = cast_floats((args, kwargs), self.unit.config.input_dtype)
+        args, kwargs = cast_floats((args, kwargs), self.unit.options.input_dtype)
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
-            self.unit.wait_unshard()
+            self.unit.wait_unshard(adopt=False)
             return args, kwargs
         if self.phase is Phase.FORWARD and id(module) in self.to_run:  # Note [module groups]
             return args, kwargs
@@ -467,10 +433,11 @@ class UnitHooks:
                 ctx.check_first_forward(self.unit)
                 ctx.checked_first_forward = True
         self.phase = Phase.FORWARD
-        ctx.record(self)
-        self.unit.unshard()
-        ctx.prefetch_forward(self)
-        self.unit.wait_unshard()
+        scheduler = ctx.scheduler
+        scheduler.record(self.unit)
+        self.unit.unshard(adopt=False)  # the root's start_forward scanned, Note [replaced parameters]
+        scheduler.prefetch_forward(self.unit, self.forward_targets)
+        self.unit.wait_unshard(adopt=False)
         if not torch.is_grad_enabled():
             return args, kwargs
         self.needs_reduce = True
@@ -495,7 +462,7 @@ class UnitHooks:
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.shown is not None:
             return output
-        output = cast_floats(output, self.unit.config.output_dtype, output=True)
+        output = cast_floats(output, self.unit.options.output_dtype, output=True)
         if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
             return output
         self.to_run.discard(id(module))
@@ -505,11 +472,13 @@ class UnitHooks:
             return output
         self.phase = Phase.IDLE
         if self.is_root:
-            self.ctx.drop_unused_prefetches()
+            self.ctx.scheduler.drop_unused_prefetches()
         if not torch.is_grad_enabled():
             self.unit.reshard()
             return output
-        if self.free_after_forward and not (self.keep_if_last and self.ctx.ran_last(self)):  # Note [kept after forward]
+        options = self.unit.options
+        if options.free_after_forward and not self.is_root and \
+                not (options.keep_last and self.ctx.scheduler.ran_last(self.unit)):  # Note [kept after forward]
             self.unit.free_after_forward()
         self.hook_backward(output)
         return output
@@ -525,38 +494,34 @@ class UnitHooks:
         self.ctx.queue_final_callback()
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
-            self.ctx.record(self)
-            if self.unit.unshard_in_backward:
-                self.unit.unshard()
-            if self.ctx.schedule.prefetch_before_backward:
-                self.ctx.prefetch_backward(self)
-            if self.unit.unshard_in_backward:
-                self.unit.wait_unshard()
+            scheduler, unshard = self.ctx.scheduler, self.unit.switches.unshard_in_backward
+            scheduler.record(self.unit)
+            if unshard:
+                self.unit.unshard(adopt=False)
+            if scheduler.schedule.prefetch_before_backward:
+                scheduler.prefetch_backward(self.unit, self.backward_targets)
+            if unshard:
+                self.unit.wait_unshard(adopt=False)
 
     def post_backward(self) -> None:
-        if self.ctx.schedule.prefetch_after_backward:
-            self.ctx.prefetch_backward(self)
+        scheduler = self.ctx.scheduler
+        if scheduler.schedule.prefetch_after_backward:
+            scheduler.prefetch_backward(self.unit, self.backward_targets)
         self.unit.post_backward()
-        self.ctx.reduce_issued(self)
+        scheduler.reduce_issued(self.unit)
         self.needs_reduce = False
         self.phase = Phase.IDLE
 
     def finish_backward(self) -> None:
         if self.needs_reduce or self.unit.has_full_grads():
             self.unit.post_backward()
-        elif self.unit.reshard_after_backward:
+        elif self.unit.switches.reshard_after_backward:
             self.unit.reshard()
         self.unit.finish_reduce()
         self.needs_reduce = False
         self.phase = Phase.IDLE
 
     def reset(self) -> None:
-        self.unit.finish_reduce()
-        self.unit.unlanded.clear()
-        self.unit.finite = None
-        self.unit.reduced = False
-        self.unit.reshard()
-        for p in self.unit.params:
-            p.unsharded.grad = p.accumulated = None
+        self.unit.reset()
         self.needs_reduce = False
         self.phase = Phase.IDLE

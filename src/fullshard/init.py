@@ -1,6 +1,7 @@
-"""fully_shard's steps: which parameters a unit takes and from where, where they are split,
-the class swap and the state-dict hooks of a unit's modules; and the registries of what
-fully_shard replaced (the optimizer step guard reads them)."""
+"""fully_shard's steps (shard_unit): which parameters a unit takes and from where, where
+they are split, the class swap and the state-dict hooks of a unit's modules; and the
+registries of what fully_shard replaced, which this file alone writes (the optimizer
+step guard reads them)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ from typing import Iterable
 
 import torch
 from torch import nn
-from torch.distributed._composable.contract import REGISTRY_KEY
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fullshard import runtime
+from fullshard.checks import bit_sums, check_ranks_agree, dp_groups
 from fullshard.errors import fail
-from fullshard.hooks import Phase, hooks_on, units_under
-from fullshard.mesh import ShardGroup, check_tp_mesh, spmd_dp_mesh
+from fullshard.hooks import HOOKS_ATTR, Phase, UnitHooks, hooks_on, units_under
+from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group, spmd_dp_mesh
 from fullshard.module import FSDPModule
+from fullshard.options import Schedule, UnitOptions
 from fullshard.param import local_values
-from fullshard.unit import OwnedParam, unit_of
+from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fullshard.unit import OwnedParam, Unit, unit_of
 
 
 # Original parameter -> description of the unit that took it. A parameter registered in
@@ -265,3 +269,63 @@ def after_forward(reshard_after_forward: bool | int, group: ShardGroup) -> tuple
         raise fail(f"reshard_after_forward={k} does not divide the {group.world} ranks parameters are "
                    f"sharded over", f"Pass a divisor of {group.world}, e.g. the ranks per node.")
     return k > 1, 1 if k == group.world else k  # k = world is True; k = 1 keeps everything
+
+
+def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forward: bool | int, shard_placement_fn,
+               mp_policy: MixedPrecisionPolicy | None, offload_policy: OffloadPolicy | None,
+               ignored: Iterable[nn.Parameter], dp_mesh_dims, exclude: Iterable[nn.Parameter],
+               schedule: Schedule) -> None:
+    """fully_shard's work once its arguments are checked: `modules` become one unit (one per
+    mesh, Note [meshes of one call]) of the parameters no inner unit owns, minus `exclude`
+    (shard_model's parameters left to an outer unit); `schedule` is the prefetch schedule
+    the unit applies if it becomes a root."""
+    owned = owned_by(modules, [*exclude, *ignored])
+    if shard_placement_fn is not None:
+        set_split_dims(owned, shard_placement_fn)
+    if dp_mesh_dims is not None:  # Note [SPMD meshes]
+        if mesh is None:
+            raise fail("fully_shard(dp_mesh_dims=...) needs the full mesh", "Pass mesh=the mesh the parameters "
+                       "are DTensors on, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\")).")
+        mesh = from_spmd_mesh(owned, mesh, dp_mesh_dims)
+    primary = shard_group(mesh)
+    parts = [(primary, [o for o in owned if o.mesh is None or o.mesh == primary.mesh])]  # Note [meshes of one call]
+    for o in owned:
+        if o.mesh is not None and o.mesh != primary.mesh:
+            part = next((p for sg, p in parts if sg.mesh == o.mesh), None)
+            if part is None:
+                parts.append((shard_group(o.mesh), part := []))
+            part.append(o)
+    for group, part in parts:
+        check_owned(what, part, group)
+        check_ranks_agree(f"this {what}",
+                          [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad, o.dim)
+                           for o in part], bit_sums([local_values(o.param) for o in part]), group.device,
+                          dp_groups(group))
+    mp = mp_policy or MixedPrecisionPolicy()
+    units = []
+    for group, part in parts:
+        free, post_forward_world = after_forward(reshard_after_forward, group)
+        options = UnitOptions(
+            free_after_forward=free,
+            post_forward_world=post_forward_world,
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
+            output_dtype=mp.output_dtype,
+            offload=isinstance(offload_policy, CPUOffloadPolicy),
+            pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
+        )
+        units.append(Unit(modules, part, group, options))
+    claim(owned, what, ignored)
+    # the call's own mesh's unit hooks the modules last, so its pre-forward runs first (the root's is the root)
+    hooks = [UnitHooks(unit, schedule) for unit in reversed(units)][::-1]
+    for m in modules:
+        move_buffers(m, primary.device)
+        m.__class__ = fsdp_class(type(m))
+        m.__dict__[HOOKS_ATTR] = hooks
+        m.register_state_dict_pre_hook(reshard_for_state_dict)
+        m.register_load_state_dict_pre_hook(reshard_for_load)
+        m.register_load_state_dict_post_hook(adopt_loaded)
+        # PyTorch's composable APIs look here for what manages a module: replicate() leaves a unit's
+        # parameters to it, as it does FSDP2's (it would all-reduce their gradients a second time)
+        m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()

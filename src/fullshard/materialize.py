@@ -67,7 +67,7 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
     module (Note [same values as eager]); with `sync`, rank 0's values win."""
     units = [unit for unit in units_under(model) if unit.compute_device.type == "meta"]  # real ones keep their values
     for unit in units:
-        unit.materialize(unit.group.device)
+        unit.relayout(device=unit.group.device)
     device = units[0].group.device if units else torch.device("cpu")
     by_param: dict[nn.Parameter, ShardedParam] = {p.sharded: p for unit in units for p in unit.params}
     done: set[ShardedParam] = set()

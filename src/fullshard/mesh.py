@@ -15,7 +15,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fullshard.errors import fail
+from fullshard.errors import collective_failed, fail
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,9 @@ def timed_group(timeout: timedelta) -> dist.ProcessGroup:
         try:
             _timed_groups[timeout] = dist.new_group(backend="gloo", timeout=timeout)
         except RuntimeError as e:  # the store's wait for the other ranks timed out
-            raise fail(f"rank {dist.get_rank()}: creating a process group did not finish within "
-                       f"{timeout.total_seconds():g} s ({str(e).splitlines()[0]})",
-                       "Every rank must make the same call (a save, load or state dict); another rank did not, "
-                       "or died. Restart the job.") from None
+            raise collective_failed("creating a process group", e, "Every rank must make the same call (a save, "
+                                    "load or state dict); another rank did not, or died. Restart the job.",
+                                    timeout) from None
     return _timed_groups[timeout]
 
 
@@ -80,7 +79,6 @@ def _release_groups() -> None:
     _timed_groups.clear()
     _spmd_meshes.clear()
     _spans.clear()
-    _replica_dims.clear()
     gc.collect()
 
 
@@ -182,7 +180,6 @@ def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
 
 _spmd_meshes: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
 _spans: dict[int, tuple[DeviceMesh, frozenset[int]]] = {}  # id(mesh) -> (mesh, the root dims it spans)
-_replica_dims: dict[DeviceMesh, set[int]] = {}  # root mesh -> dims along which ranks hold copies
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -219,19 +216,23 @@ def spanned_dims(mesh: DeviceMesh) -> frozenset[int]:
     return _spans[id(mesh)][1]
 
 
-def add_replica_dims(mesh: DeviceMesh) -> None:
-    """Note that ranks along `mesh`'s dims (a unit's data-parallel mesh, or its parameters' TP
-    mesh) hold copies of what a parameter not split over them holds."""
-    _replica_dims.setdefault(root_mesh(mesh), set()).update(spanned_dims(mesh))
+def replica_dims(meshes: list[DeviceMesh]) -> dict[DeviceMesh, set[int]]:
+    """Per root mesh, the dims along which ranks hold copies of what a parameter not split over
+    them holds: those `meshes` (a model's units' data-parallel meshes and its TP meshes) span."""
+    dims: dict[DeviceMesh, set[int]] = {}
+    for mesh in meshes:
+        dims.setdefault(root_mesh(mesh), set()).update(spanned_dims(mesh))
+    return dims
 
 
-def counted_copy(mesh: DeviceMesh, spans: bool = True) -> bool:
+def counted_copy(mesh: DeviceMesh, copies: dict[DeviceMesh, set[int]], spans: bool = True) -> bool:
     """Whether a global sum counts this rank's piece of a value on `mesh` (`spans` False: a plain
-    tensor, on no dim of it): only at coordinate 0 of the data-parallel and TP dims it does not
-    span, whose ranks hold copies; along any other dim (pipeline stages) ranks hold other parts."""
+    tensor, on no dim of it): only at coordinate 0 of the dims in `copies` (replica_dims of the
+    model) it does not span, whose ranks hold copies; along any other dim (pipeline stages)
+    ranks hold other parts."""
     root = root_mesh(mesh)
     coordinate, spanned = root.get_coordinate(), spanned_dims(mesh) if spans else frozenset()
-    return all(coordinate[k] == 0 for k in _replica_dims.get(root, set()) - spanned)
+    return all(coordinate[k] == 0 for k in copies.get(root, set()) - spanned)
 
 
 def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool,
@@ -304,7 +305,6 @@ def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, f
                    f"{dp_mesh.mesh_dim_names} are not distinct dims of one mesh ({e})",
                    'Slice both from one mesh: mesh_2d["dp"] for fully_shard, mesh_2d["tp"] for tensor '
                    "parallelism.") from None
-    add_replica_dims(tp_mesh)
 
 
 def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
@@ -322,7 +322,6 @@ def shard_group(mesh: DeviceMesh | None) -> ShardGroup:
             'mesh_3d["dp"] of a (pp, dp, tp) mesh), or a mesh of the group of ranks it trains with.',
         )
     roles = mesh_roles(mesh)
-    add_replica_dims(mesh)  # for clip_grad_norm_
     groups = {role: mesh.get_group(dim) for dim, role in enumerate(roles)}
     sizes = {role: mesh.size(dim) for dim, role in enumerate(roles)}
     world = sizes.get("shard", 1)

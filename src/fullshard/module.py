@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fullshard.errors import fail
-from fullshard.hooks import UnitHooks, hooks_for, hooks_on, normal_tensors, unit_hooks, units_under
+from fullshard.hooks import UnitHooks, hooks_on, normal_tensors, unit_hooks, units_under
 from fullshard.unit import Unit
 
 
@@ -114,15 +114,13 @@ class FSDPModule(TorchFSDPModule):
                 so ``True`` undoes an earlier ``set_requires_all_reduce(False)``.
             recurse: apply to every unit in this module's subtree.
         """
-        for unit in self._units(recurse):
-            unit.sync_grads = requires_gradient_sync
-            unit.all_reduce_grads = requires_gradient_sync
+        self._switch(recurse, sync_grads=requires_gradient_sync, all_reduce_grads=requires_gradient_sync)
 
     @property
     def require_backward_grad_sync(self) -> bool:
         """DDP's switch, honoured so that DDP code runs unchanged: assigning ``False`` is
         ``set_requires_gradient_sync(False)`` for this unit and every unit below it."""
-        return all(unit.sync_grads for unit in self._units(True))
+        return all(unit.switches.sync_grads for unit in self._units(True))
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
@@ -142,8 +140,7 @@ class FSDPModule(TorchFSDPModule):
             requires_all_reduce: ``False`` skips the cross-replica all-reduce.
             recurse: apply to every unit in this module's subtree.
         """
-        for unit in self._units(recurse):
-            unit.all_reduce_grads = requires_all_reduce
+        self._switch(recurse, all_reduce_grads=requires_all_reduce)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep the full parameters after backward (``False``), e.g. between accumulation steps.
@@ -153,8 +150,7 @@ class FSDPModule(TorchFSDPModule):
                 the next forward needs no all-gather; call ``reshard()`` when done.
             recurse: apply to every unit in this module's subtree.
         """
-        for unit in self._units(recurse):
-            unit.reshard_after_backward = reshard_after_backward
+        self._switch(recurse, reshard_after_backward=reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free the full parameters after forward (``True``) or keep them until backward.
@@ -170,14 +166,9 @@ class FSDPModule(TorchFSDPModule):
         if not isinstance(reshard_after_forward, bool):
             raise fail(f"set_reshard_after_forward({reshard_after_forward!r}) takes a bool",
                        "Pass True or False (an int k is given to fully_shard).")
-        for unit in self._units(recurse):
-            unit.config = dataclasses.replace(unit.config, free_after_forward=reshard_after_forward,
-                                              post_forward_world=1)
-            unit.small_group = None  # an int k given to fully_shard no longer applies
-            unit.drop_small()
-            hooks = hooks_for(unit)
-            hooks.free_after_forward = reshard_after_forward and not hooks.is_root
-            hooks.keep_if_last = not reshard_after_forward
+        for unit in self._units(recurse):  # an int k given to fully_shard no longer applies
+            unit.relayout(options=dataclasses.replace(unit.options, free_after_forward=reshard_after_forward,
+                                              keep_last=not reshard_after_forward, post_forward_world=1))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2's hint that the next backward ends an accumulation, accepted for its code: fullshard
@@ -195,8 +186,7 @@ class FSDPModule(TorchFSDPModule):
         """
         if not isinstance(unshard_in_backward, bool):
             raise fail(f"set_unshard_in_backward({unshard_in_backward!r}) takes a bool", "Pass True or False.")
-        for unit in self._units(False):
-            unit.unshard_in_backward = unshard_in_backward
+        self._switch(False, unshard_in_backward=unshard_in_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's reduced gradients (not those of units below it, as FSDP2) by `factor`
@@ -208,8 +198,7 @@ class FSDPModule(TorchFSDPModule):
         if not (isinstance(factor, (int, float)) and factor > 0):
             raise fail(f"set_gradient_divide_factor({factor!r}): the factor must be a positive number",
                        "Pass e.g. 1.0 for the sum over ranks.")
-        for unit in self._units(False):
-            unit.divide_factor = float(factor)
+        self._switch(False, divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of ``set_gradient_divide_factor``."""
@@ -228,8 +217,7 @@ class FSDPModule(TorchFSDPModule):
         if not callable(hook) or stream is not None:
             raise fail("set_all_reduce_hook takes a callable and no stream",
                        "Pass hook(reduce_output) -> None; it runs on the compute stream after the reduction.")
-        for unit in self._units(False):
-            unit.all_reduce_hook = hook
+        self._switch(False, all_reduce_hook=hook)
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: reshard every unit, drop gathers and
@@ -247,8 +235,7 @@ class FSDPModule(TorchFSDPModule):
         average; on gloo fullshard always does."""
         if not isinstance(enable, bool):
             raise fail(f"set_force_sum_reduction_for_comms({enable!r}) takes a bool", "Pass True or False.")
-        for unit in self._units(False):
-            unit.force_sum = enable
+        self._switch(False, force_sum=enable)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these units, in this order, when this unit's forward starts.
@@ -258,8 +245,9 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: modules passed to ``fully_shard`` (units of the same model).
         """
+        targets = [hooks.unit for hooks in hooks_of(modules, "set_modules_to_forward_prefetch")]
         for hooks in hooks_on(self):
-            hooks.forward_targets = hooks_of(modules, "set_modules_to_forward_prefetch")
+            hooks.set_prefetch_targets(forward=targets)
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these units, in this order, when this unit's backward starts.
@@ -269,8 +257,9 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: modules passed to ``fully_shard`` (units of the same model).
         """
+        targets = [hooks.unit for hooks in hooks_of(modules, "set_modules_to_backward_prefetch")]
         for hooks in hooks_on(self):
-            hooks.backward_targets = hooks_of(modules, "set_modules_to_backward_prefetch")
+            hooks.set_prefetch_targets(backward=targets)
 
     def set_timeout(self, seconds: float, *, recurse: bool = True) -> None:
         """Give up on a collective of these units after `seconds` (default 300) with a
@@ -283,8 +272,7 @@ class FSDPModule(TorchFSDPModule):
         if not (isinstance(seconds, (int, float)) and seconds > 0):
             raise fail(f"set_timeout({seconds!r}): the timeout must be a positive number of seconds",
                        "Pass e.g. 120.")
-        for unit in self._units(recurse):
-            unit.timeout = timedelta(seconds=seconds)
+        self._switch(recurse, timeout=timedelta(seconds=seconds))
 
     def set_debug_checks(self, enabled: bool, *, recurse: bool = True) -> None:
         """Before every collective, check that all ranks run the same one: the same unit, the same
@@ -296,8 +284,7 @@ class FSDPModule(TorchFSDPModule):
             enabled: turn the checks on or off.
             recurse: apply to every unit in this module's subtree.
         """
-        for unit in self._units(recurse):
-            unit.debug = bool(enabled)
+        self._switch(recurse, debug=bool(enabled))
 
     def set_nonfinite_grads(self, policy: str | None) -> None:
         """What a gradient with an inf or NaN does (after reduction; every rank decides alike).
@@ -311,8 +298,11 @@ class FSDPModule(TorchFSDPModule):
         """
         if policy not in (None, "raise", "skip"):
             raise fail(f"set_nonfinite_grads({policy!r}) is not a policy", "Pass 'raise', 'skip' or None.")
-        for unit in self._units(True):
-            unit.nonfinite = policy
+        self._switch(True, nonfinite=policy)
+
+    def _switch(self, recurse: bool, **switches: object) -> None:
+        for unit in self._units(recurse):
+            unit.switch(**switches)
 
     def _units(self, recurse: bool) -> list[Unit]:
         return units_under(self) if recurse else [hooks.unit for hooks in hooks_on(self)]
@@ -328,8 +318,8 @@ class FSDPModule(TorchFSDPModule):
             if any(not local.is_meta and local.untyped_storage()._cdata != shard.untyped_storage()._cdata
                    for local, shard in zip(moved, unit.shards)):
                 device = next(local.device for local in moved if not local.is_meta)
-                unit.materialize(unit.group.device if unit.config.offload else device,
-                                 [local.dtype for local in moved])
+                unit.relayout(device=unit.group.device if unit.options.offload else device,
+                              dtypes=[local.dtype for local in moved])
         return module
 
     def __deepcopy__(self, memo: dict) -> None:

@@ -51,11 +51,12 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fullshard.errors import fail
 from fullshard.mesh import ShardGroup, spmd_layout
@@ -132,6 +133,7 @@ class ShardedParam:
         self.local_shape = torch.Size((local_rows, *self.shape[1:])) if not self.replicated else self.shape
         self.padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
         self.accumulated: torch.Tensor | None = None  # full gradients held by hold_grad
+        self.specs: dict[torch.dtype, DTensorSpec] = {}  # the shard's DTensor spec, per dtype (as_dtensor)
         local = self.bind(segment, full_segment, original.requires_grad)
         with torch.no_grad():
             local.copy_(values if self.replicated else values[first_row : first_row + local_rows])
@@ -169,11 +171,14 @@ class ShardedParam:
                                                             requires_grad=self.sharded.requires_grad))
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap this rank's rows (of the parameter or of its gradient, stored rows first) as a DTensor."""
-        return DTensor.from_local(
-            self.unrows(local), self.mesh, self.placements, run_check=False,
-            shape=self.global_shape, stride=self.global_stride,
-        )
+        """Wrap this rank's rows (of the parameter or of its gradient, stored rows first) as a
+        DTensor, made directly from its spec: DTensor.from_local is an autograd Function that
+        checks its arguments, a cost paid per gradient per step, and neither is needed here."""
+        spec = self.specs.get(local.dtype)
+        if spec is None:
+            spec = self.specs[local.dtype] = DTensorSpec(
+                self.mesh, self.placements, tensor_meta=TensorMeta(self.global_shape, self.global_stride, local.dtype))
+        return DTensor(self.unrows(local), spec, requires_grad=local.requires_grad)
 
     def on_tp_mesh(self, full_local: torch.Tensor) -> torch.Tensor:
         """The full parameter as forward sees it: a DTensor on the TP mesh over the gathered
@@ -212,11 +217,12 @@ class ShardedParam:
                 value = value.narrow(d, min(coordinate * per, value.shape[d]), rows)
         return value
 
-    def full_grad(self) -> torch.Tensor | None:
+    def full_grad(self, redistribute: Callable[[DTensor, tuple], DTensor]) -> torch.Tensor | None:
         """The full parameter's gradient, taken: a plain tensor of the local part, rows first
         (a strided view for Note [another dim]), added to what `hold_grad` kept. A TP gradient
         still a partial sum over the TP ranks (a replicated weight applied to sequence-parallel
-        activations) is summed over them first."""
+        activations) is summed over them first, by `redistribute` (collectives.redistribute:
+        this file communicates nothing itself)."""
         grad = self.unsharded.grad
         if isinstance(grad, DTensor):
             want = self.tp_placements  # e.g. from Partial()
@@ -224,7 +230,7 @@ class ShardedParam:
                 spec, dp_dims = self.view
                 want = tuple(grad.placements[i] if i in dp_dims else p for i, p in enumerate(spec.placements))
             if tuple(grad.placements) != want:
-                grad = grad.redistribute(placements=want)
+                grad = redistribute(grad, want)
             grad = grad.to_local()
         if grad is not None:
             grad = self.rows(grad)
@@ -235,14 +241,14 @@ class ShardedParam:
         self.unsharded.grad = None
         return grad
 
-    def hold_grad(self, dtype: torch.dtype) -> None:
+    def hold_grad(self, dtype: torch.dtype, redistribute: Callable[[DTensor, tuple], DTensor]) -> None:
         """After a backward without gradient sync: keep the full gradient summed in `dtype`, the
         reduce dtype, as the reduction would sum it; autograd would accumulate micro-batches in
         the compute dtype (bf16 rounds each sum to 8 bits). A no-op when the two dtypes agree."""
         grad = self.unsharded.grad
         if grad is None or local_values(grad).dtype == dtype:
             return
-        grad = self.full_grad()
+        grad = self.full_grad(redistribute)
         self.accumulated = grad if grad.dtype == dtype else grad.to(dtype)
 
     def full_grad_bytes(self) -> int:
@@ -260,11 +266,11 @@ class ShardedParam:
 
     def local_shard(self) -> torch.Tensor:
         """This rank's rows of the shard, rows first (a view of the unit's storage)."""
-        return self.rows(self.sharded.to_local())
+        return self.rows(self.sharded._local_tensor)  # not to_local(), an autograd Function
 
     def local_grad(self) -> torch.Tensor:
         """This rank's rows of the shard's gradient, rows first."""
-        return self.rows(self.sharded.grad.to_local())
+        return self.rows(self.sharded.grad._local_tensor)
 
     def replacement(self, full: bool) -> torch.Tensor | None:
         """What a module holds in place of this parameter's shard (`full`: its full parameter),
@@ -306,6 +312,11 @@ class ShardedParam:
         for module, name in self.slots:
             module._parameters[name] = self.sharded
 
+    def show(self, full: nn.Parameter) -> None:
+        """Register another full value on the modules (full_params' gathered copy); to_sharded undoes it."""
+        for module, name in self.slots:
+            module._parameters[name] = full
+
     def unpad(self, full_padded: torch.Tensor) -> torch.Tensor:
         """The parameter's own elements of a padded full tensor (stored rows first), in its own layout."""
         return full_padded[0] if self.replicated else self.unrows(full_padded[: self.shape[0]])
@@ -331,7 +342,7 @@ class ShardedParam:
 
     def accumulate_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced rows to the shard's gradient, creating it on first use."""
-        local_grad = local_grad.to(self.local_shard().device, self.sharded.dtype)  # offload; master dtype
+        local_grad = local_grad.to(self.sharded._local_tensor.device, self.sharded.dtype)  # offload; master dtype
         if self.sharded.grad is None:
             self.sharded.grad = self.as_dtensor(local_grad)
         else:

@@ -78,3 +78,15 @@ def from_torch_policy(policy):
     if type(policy) is fsdp.OffloadPolicy:
         return OffloadPolicy()
     return policy
+
+
+def checked_policies(mp_policy, offload_policy) -> tuple[MixedPrecisionPolicy | None, OffloadPolicy | None]:
+    """fully_shard's and shard_model's policies as fullshard's (torch's own taken field for
+    field), refusing anything else."""
+    mp_policy, offload_policy = from_torch_policy(mp_policy), from_torch_policy(offload_policy)
+    for name, policy, kind in (("mp_policy", mp_policy, MixedPrecisionPolicy),
+                               ("offload_policy", offload_policy, OffloadPolicy)):
+        if policy is not None and not isinstance(policy, kind):
+            raise fail(f"{name} must be a fullshard.{kind.__name__} or None, got {type(policy).__name__}",
+                       f"Pass fullshard.{kind.__name__}(...).")
+    return mp_policy, offload_policy

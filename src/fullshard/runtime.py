@@ -51,6 +51,12 @@ log = logging.getLogger("fullshard")
 # cannot go on with them anyway): nothing waits for them at exit.
 
 
+def labelled(name: str) -> contextlib.AbstractContextManager:
+    """A profiler label around a block of fullshard's own work, made only while a profiler
+    records (the label is an op of its own: a few microseconds each, several per unit per step)."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 def abandon(works: list) -> None:
     """Never destroy these works or any process group (Note [abandoned collectives])."""
     world = getattr(dist.distributed_c10d, "_world", None)
@@ -66,6 +72,8 @@ class CollectiveError(RuntimeError):
 class OverdueCollective(CollectiveError):
     """A collective the hang watch saw overdue, raised by a later wait (of any unit): its
     message names the overdue collective, its unit and step, not the waiter."""
+
+    names_the_collective = True  # errors.collective_failed says it as it is
 
 
 class HangWatch:
@@ -139,6 +147,7 @@ class Runtime:
     def __init__(self) -> None:
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self.watch = HangWatch()
+        self.p2p: dict[dist.ProcessGroup, bool] = {}  # point_to_point's answer per group
 
     # ---- streams and events, Note [streams] ----------------------------------------------
 
@@ -186,7 +195,10 @@ class Runtime:
 
     def point_to_point(self, group: dist.ProcessGroup) -> bool:
         """Note [collective choice]: gloo sends rows point-to-point, other backends use their collectives."""
-        return dist.get_backend(group) == "gloo"
+        p2p = self.p2p.get(group)
+        if p2p is None:
+            p2p = self.p2p[group] = dist.get_backend(group) == "gloo"
+        return p2p
 
     def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
         """`works` were just issued on the current stream, reading and writing these buffers."""
@@ -221,6 +233,11 @@ class Runtime:
         return torch.cuda.current_device()
 
     # ---- buffers, Note [streams] ------------------------------------------------------
+    # These record what each stream reads and writes for the CPU model of streams
+    # (fullshard.testing.stream_model); here they do nothing, and callers that would build
+    # arguments for them first ask `tracks`.
+
+    tracks = False
 
     def reads(self, *tensors: torch.Tensor) -> None:
         """The current stream reads these buffers."""

@@ -15,11 +15,10 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import runtime
 from fullshard.errors import fail, require
-from fullshard.hooks import normal_tensors, units_under
+from fullshard.hooks import normal_tensors, units_of, units_under
 from fullshard.mesh import compute_device
 from fullshard.param import ShardedParam
 from fullshard.unit import Unit
-from fullshard.training import units_of
 
 Entry = ShardedParam | tuple[nn.Module, str]
 

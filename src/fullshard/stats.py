@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 class Stats:
     """Counts since the last reset, for this rank.
 
-    Bytes are bytes this rank sends: "logical" is what a bandwidth-optimal algorithm
-    must send ((N-1)/N of a gather's output, of a reduce-scatter's input, 2(N-1)/N of
-    an all-reduce), "wire" what the algorithm in use sends; the algorithms used here
-    (point-to-point on gloo, NCCL's rings) are bandwidth-optimal, so the two are equal.
-    `wait_s` is host time
+    Bytes are bytes this rank sends: what a bandwidth-optimal algorithm must send
+    ((N-1)/N of a gather's output, of a reduce-scatter's input, 2(N-1)/N of an
+    all-reduce). The `*_wire_bytes` properties are what the algorithm in use sends; the
+    algorithms used here (point-to-point on gloo, NCCL's rings) are bandwidth-optimal, so
+    they are the same counts. `wait_s` is host time
     blocked on communication (on GPUs waits are stream waits and cost no host time).
     Peaks are of full (unsharded) parameters and gradients alive at once, in bytes.
     """
@@ -25,11 +25,8 @@ class Stats:
     reduce_scatters: int = 0
     all_reduces: int = 0  # across replicas (hybrid sharding, no_shard)
     gather_bytes: int = 0
-    gather_wire_bytes: int = 0
     reduce_scatter_bytes: int = 0
-    reduce_scatter_wire_bytes: int = 0
     all_reduce_bytes: int = 0
-    all_reduce_wire_bytes: int = 0
     wait_s: float = 0.0
     full_param_bytes: int = 0  # alive now
     full_grad_bytes: int = 0  # alive now, as far as the units have seen them
@@ -46,6 +43,18 @@ class Stats:
     @property
     def cross_group_bytes(self) -> int:
         """Logical bytes across replicas (hybrid sharding's all-reduce): the cross-node traffic."""
+        return self.all_reduce_bytes
+
+    @property
+    def gather_wire_bytes(self) -> int:
+        return self.gather_bytes
+
+    @property
+    def reduce_scatter_wire_bytes(self) -> int:
+        return self.reduce_scatter_bytes
+
+    @property
+    def all_reduce_wire_bytes(self) -> int:
         return self.all_reduce_bytes
 
     @property
@@ -70,8 +79,7 @@ class Stats:
     def count(self, unit: str, kind: str, nbytes: int) -> None:
         """One collective of `kind` ("gather", "reduce_scatter", "all_reduce") by `unit`, sending `nbytes`."""
         setattr(self, kind + "s", getattr(self, kind + "s") + 1)
-        for counter in (kind + "_bytes", kind + "_wire_bytes"):
-            setattr(self, counter, getattr(self, counter) + nbytes)
+        setattr(self, kind + "_bytes", getattr(self, kind + "_bytes") + nbytes)
         self.per_unit[unit][kind + "s"] += 1
 
     def full_params(self, delta: int) -> None:

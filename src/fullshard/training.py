@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Iterator
 
 import torch
@@ -16,25 +15,14 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fullshard import runtime
 from fullshard.collectives import all_reduce_
-from fullshard.errors import fail, require
-from fullshard.hooks import Phase, hooks_for, ordinary_tensors, unit_hooks, units_under
-from fullshard.mesh import counted_copy
+from fullshard.errors import collective_failed, fail, require
+from fullshard.options import DEFAULT_TIMEOUT
+from fullshard.hooks import Phase, hooks_for, ordinary_tensors, unit_hooks, units_of
+from fullshard.mesh import counted_copy, replica_dims
 from fullshard.param import local_values
 from fullshard.stats import Stats
 from fullshard.runtime import CollectiveError
 from fullshard.unit import ShardState, Unit, unit_of
-
-
-def units_of(model: nn.Module, what: str) -> list[Unit]:
-    if not isinstance(model, nn.Module):  # e.g. model.parameters(), as torch's clip_grad_norm_ takes
-        raise fail(f"{what} takes the sharded model (an nn.Module), got {type(model).__name__}",
-                   "Pass the model itself (torch's own clip_grad_norm_ takes model.parameters() and works on "
-                   "fullshard's gradients too).")
-    units = units_under(model)
-    if not units:
-        raise fail(f"{what} was given a model that fullshard has not sharded",
-                   "Call fullshard.shard_model(model) or fully_shard on it first.")
-    return units
 
 
 def stats(model: nn.Module) -> Stats:
@@ -55,17 +43,17 @@ def stats(model: nn.Module) -> Stats:
     return unit_hooks(units_of(model, "stats")[0].module).lazy_init().stats
 
 
-def counts_once(grad: torch.Tensor, dp_mesh: DeviceMesh) -> bool:
+def counts_once(grad: torch.Tensor, dp_mesh: DeviceMesh, copies: dict[DeviceMesh, set[int]]) -> bool:
     """Whether this rank's piece of `grad` is the copy counted in a global norm: of the
     ranks holding the same rows, the one at coordinate 0 of every replicated mesh dim, on a
-    counted copy of a sub-mesh (mesh.counted_copy); a plain tensor once per copy of the model
-    on `dp_mesh`'s root (once per pipeline stage)."""
+    counted copy of a sub-mesh (mesh.counted_copy over the model's `copies`); a plain tensor
+    once per copy of the model on `dp_mesh`'s root (once per pipeline stage)."""
     if not isinstance(grad, DTensor):
-        return counted_copy(dp_mesh, spans=False)
+        return counted_copy(dp_mesh, copies, spans=False)
     mesh = grad.device_mesh
     if any(c != 0 for c, placement in zip(mesh.get_coordinate(), grad.placements) if isinstance(placement, Replicate)):
         return False
-    return counted_copy(mesh)
+    return counted_copy(mesh, copies)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -84,7 +72,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     Returns:
         The global norm before clipping, as a plain 0-d tensor.
     """
-    root = units_of(model, "clip_grad_norm_")[0]
+    units = units_of(model, "clip_grad_norm_")
+    root = units[0]
     device = root.compute_device  # where the process group communicates
     if not (isinstance(max_norm, (int, float, torch.Tensor)) and float(max_norm) >= 0):  # messages only on failure
         raise fail(f"clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a non-negative number", "Pass e.g. 1.0.")
@@ -95,7 +84,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     rt = runtime.active
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # tied parameters once
     locals_ = [local_values(g) for g in grads]
-    counted = [t for g, t in zip(grads, locals_) if counts_once(g, root.group.mesh) and t.numel()]
+    copies = replica_dims([unit.group.mesh for unit in units] +
+                          [p.tp_mesh for unit in units for p in unit.params if p.tp_mesh is not None])
+    counted = [t for g, t in zip(grads, locals_) if counts_once(g, root.group.mesh, copies) and t.numel()]
     # CPU offload: gradients in host memory are summed on the host, the total goes to the
     # device, whose memory is all NCCL reads, and the coefficient comes back (a host sync)
     partials = []
@@ -137,14 +128,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     accumulation without this context keeps gradients sharded and reduces every step.
     """
     units = units_of(model, "no_sync")
-    before = [unit.sync_grads for unit in units]
+    before = [unit.switches.sync_grads for unit in units]
     for unit in units:
-        unit.sync_grads = False
+        unit.switch(sync_grads=False)
     try:
         yield
     finally:
         for unit, sync in zip(units, before):
-            unit.sync_grads = sync
+            unit.switch(sync_grads=sync)
 
 
 @contextmanager
@@ -194,16 +185,15 @@ def full_params(
                 fulls = [nn.Parameter(p.on_tp_mesh(full.cpu() if offload_to_cpu else full),
                                       requires_grad=p.sharded.requires_grad) for p, full in zip(unit.params, fulls)]
                 for p, full in zip(unit.params, fulls):
-                    for module, name in p.slots:
-                        module._parameters[name] = full
+                    p.show(full)
             shown.append(fulls if visible else [])
     for unit in units:
-        hooks_for(unit).shown = visible
+        hooks_for(unit).show(visible)
     try:
         yield
     finally:
         for unit in units:
-            hooks_for(unit).shown = None
+            hooks_for(unit).show(None)
         with ordinary_tensors():
             for unit, fulls in zip(units, shown):
                 for p, full in zip(unit.params, fulls):
@@ -244,7 +234,7 @@ class GradScaler(torch.amp.GradScaler):
                     found_inf.add_(found.to(found_inf.device))
             unit = unit_of(optimizer.param_groups[0]["params"][0]) if optimizer.param_groups[0]["params"] else None
             if unit is None:  # nothing sharded: torch's defaults
-                all_reduce_(found_inf, "max", timeout=timedelta(seconds=300), what="the all-reduce of found_inf")
+                all_reduce_(found_inf, "max", timeout=DEFAULT_TIMEOUT, what="the all-reduce of found_inf")
             else:
                 agree(unit, found_inf, "max", "the loss scaler's inf/NaN flag")
         return {found_inf.device: found_inf}
@@ -257,6 +247,4 @@ def agree(unit: Unit, tensor: torch.Tensor, op: str, what: str) -> None:
     try:
         all_reduce_(tensor, op, timeout=unit.timeout, what=collective)
     except CollectiveError as e:
-        raise fail(f"rank {dist.get_rank()}: {collective} did not finish ({e})",
-                   "Every rank must call it at the same step; another rank skipped it or died. Restart the job "
-                   "(fullshard train --max-restarts N resumes from the last checkpoint).") from None
+        raise collective_failed(collective, e) from None

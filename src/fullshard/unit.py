@@ -2,11 +2,16 @@
 
 A training step moves every unit through the same cycle (hooks.py decides when):
 
-    SHARDED --unshard()--> gathering --wait_unshard()--> FULL     before the unit's forward
+    SHARDED --unshard()--> GATHERING --wait_unshard()--> FULL     before the unit's forward
     FULL    --reshard()-->                               SHARDED  after forward if it frees then
-    SHARDED --unshard()--> gathering --wait_unshard()--> FULL     before the unit's backward
-    FULL    --reduce_grads()--> reducing, reshard()-->   SHARDED  after the unit's backward
-    reducing --finish_reduce()--> gradients on the shards          a little later
+    SHARDED --unshard()--> GATHERING --wait_unshard()--> FULL     before the unit's backward
+    FULL    --reduce_grads(), reshard()-->               SHARDED  after the unit's backward,
+                                                                  its reduction in flight
+    finish_reduce() lands that reduction on the shards' gradients a little later.
+
+(A unit whose shards are its full parameters, one rank in the same dtype, goes from
+SHARDED to FULL at wait_unshard without gathering.) Every transition checks the state
+it starts from (`move`).
 
 # Note [smaller world after forward]: with reshard_after_forward=k (an int), freeing after
 # forward first keeps this rank's 1/k of the full parameters: the shards of a block of
@@ -32,6 +37,7 @@ one storage per unit that exists only while needed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Iterator
@@ -47,32 +53,19 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from fullshard import runtime
 from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingReduce, all_gather_ints,
                                    all_reduce_tensors, finish_gather, finish_reduce, gather_full, p2p_tag,
-                                   reduce_scatter_grads)
-from fullshard.errors import FullShardError, fail
+                                   redistribute, reduce_scatter_grads)
+from fullshard.errors import FullShardError, collective_failed, fail
 from fullshard.mesh import ShardGroup, smaller_group
+from fullshard.options import UnitOptions, UnitSwitches
 from fullshard.param import ShardedParam, local_values, rows_first, shard_numel
-from fullshard.runtime import CollectiveError, OverdueCollective
+from fullshard.runtime import CollectiveError, labelled
 from fullshard.stats import Stats
 
 
 class ShardState(Enum):
-    SHARDED = auto()
-    FULL = auto()
-
-
-@dataclass(frozen=True)
-class UnitConfig:
-    """Options resolved at fully_shard time (FSDP2's set_reshard_after_forward replaces them
-    later; its other setters change attributes of the Unit)."""
-
-    free_after_forward: bool
-    post_forward_world: int = 1  # >1: after forward keep 1/this of the unit, Note [smaller world after forward]
-    param_dtype: torch.dtype | None = None  # of the full parameters (gather and compute); None: the master's
-    reduce_dtype: torch.dtype | None = None  # of the gradient reduction; None: the compute dtype
-    input_dtype: torch.dtype | None = None  # floating forward inputs are cast to it
-    output_dtype: torch.dtype | None = None  # floating forward outputs are cast to it
-    offload: bool = False  # shards and their gradients live on the CPU
-    pin_memory: bool = False
+    SHARDED = auto()  # the modules hold the shards; no gather in flight
+    GATHERING = auto()  # a gather into the full storage is in flight (`pending`)
+    FULL = auto()  # the modules hold the full parameters
 
 
 @dataclass
@@ -87,11 +80,12 @@ class OwnedParam:
     mesh: object = None  # a DeviceMesh of its own (FSDP2's ShardPlacementResult, Note [meshes of one call]); None: the call's
 
 
-LIVE_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()  # (no weakrefs to parameters: materialize swaps them)
+LIVE_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()  # every Unit adds itself (no weakrefs to parameters:
+# materialize swaps them)
 
 
 def unit_of(param: nn.Parameter) -> Unit | None:
-    """The live unit that manages `param` (a sharded parameter), if any."""
+    """The live unit that manages `param` (a sharded parameter), if any (a scan: for checks, not steps)."""
     return next((unit for unit in list(LIVE_UNITS) if any(p.sharded is param for p in unit.params)), None)
 
 
@@ -99,19 +93,17 @@ class Unit:
     """The shards of one unit, their all-gather into full parameters, and their gradient reduction."""
 
     def __init__(self, modules: list[nn.Module], owned: list[OwnedParam], group: ShardGroup,
-                 config: UnitConfig) -> None:
+                 options: UnitOptions) -> None:
         self.modules = modules  # one, or FSDP2's group of modules sharded together (Note [module groups])
         self.module = modules[0]
         self.group = group
-        self.config = config
-        self.fqn = ""  # set by the root at lazy init, for messages and profiler labels
+        self.options = options
+        self.switches = UnitSwitches()
+        self.fqn = ""  # set by the root at lazy init (join), for messages and profiler labels
         self.index = 0  # position among the root's units (lazy init): message tags, debug checks
         self.names = [""]  # every unit's fqn by index (lazy init), for messages
         self.step = 0  # the root's step count, for messages
-        self.timeout = timedelta(seconds=300)  # Note [named hangs]
-        self.debug = False  # check before each collective that every rank runs the same one
-        self.evaluating = False  # in a forward without gradients (hooks set it), for the debug checks
-        self.nonfinite: str | None = None  # None, "raise" or "skip": what a non-finite reduced gradient does
+        self.evaluating = False  # in a forward without gradients, for the debug checks
         self.finite: torch.Tensor | None = None  # 0-d bool on the device: every reduced gradient so far was finite
         self.unlanded: list[tuple[list[ShardedParam], torch.Tensor, torch.Tensor]] = []  # Note [landing]
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
@@ -127,22 +119,85 @@ class Unit:
             p.to_sharded()
         self.state = ShardState.SHARDED
         LIVE_UNITS.add(self)
-        self.pending: PendingGather | None = None
+        self.pending: PendingGather | None = None  # while GATHERING
         self.pending_reduce: list[tuple[list[ShardedParam], bool, PendingReduce]] = []  # one per reduce dtype
-        self.small_group = smaller_group(group, config.post_forward_world) if self.full_flat is not None else None
+        self.small_group = smaller_group(group, options.post_forward_world) if self.full_flat is not None else None
         self.small: torch.Tensor | None = None  # Note [smaller world after forward]
         self.gathering_small = False
         self.unset: set[str] = set()  # parameters of a meta-built unit that assign=True loads have not reached
-        self.sync_grads = True
-        self.all_reduce_grads = True  # across replicas; off: reduce within the group only, owe the rest
-        self.owes_all_reduce = False
+        self.owes_all_reduce = False  # reduced within the group only (all_reduce_grads off)
         self.reduced = False  # a reduction finished in this backward (hooks settle the all-reduce once)
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True  # False: backward needs none of the unit's parameters (e.g. embeddings)
-        self.divide_factor: float | None = None  # gradients are divided by this, not the data-parallel size
-        self.force_sum = False  # reduce with sums and divide after, never NCCL's average
-        self.all_reduce_hook = None  # called on each reduced gradient row (FSDP2's set_all_reduce_hook)
         self.counted_grad_bytes = 0  # full gradient bytes already in stats.full_grad_bytes
+        self.callers: dict[tuple[int, str, int], Caller] = {}  # caller()'s, for the current step
+
+    # ---- what configures it ----------------------------------------------------------
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.switches.timeout
+
+    def switch(self, **fields: object) -> None:
+        """Change switches (FSDP2's setters): a new UnitSwitches with these fields."""
+        self.switches = dataclasses.replace(self.switches, **fields)
+        self.callers.clear()
+
+    def relayout(self, *, options: UnitOptions | None = None, device: torch.device | None = None,
+                 dtypes: list[torch.dtype] | None = None) -> None:
+        """The one entry point for what the unit derives from its options, device and dtypes
+        (set_reshard_after_forward's new options; Module.to_empty / .to / .double(), deferred
+        init and a first assign-load giving a meta-built unit storage on `device`, in `dtypes`).
+        Storage is remade only for a new device: the shards keep the values they hold (none for
+        meta). Which parameters are trainable is read at each reduction, not kept."""
+        if options is not None:
+            self.options = options
+            if self.state is not ShardState.GATHERING:  # a gather may be reading the 1/k copy
+                self.drop_small()
+        if device is not None:
+            assert self.state is ShardState.SHARDED, f"relayout(device=...) in state {self.state.name}"
+            self.compute_device = device
+            self.unset = set()
+            if dtypes is not None:
+                self.set_master_dtypes(dtypes)
+            for p, segment in zip(self.params, self.allocate()):
+                p.rebind(*segment)
+            self.release_storage()
+        self.small_group = smaller_group(self.group, self.options.post_forward_world) \
+            if self.full_flat is not None else None
+
+    def join(self, fqn: str, index: int, names: list[str], pool: BufferPool, stats: Stats) -> None:
+        """Lazy init: the root names the unit and shares its buffers and statistics with it."""
+        self.fqn, self.index, self.names, self.pool, self.stats = fqn, index, names, pool, stats
+        self.callers.clear()
+
+    def begin_forward(self, step: int, evaluating: bool) -> None:
+        """The root starts a forward: the step counts on, and a copy a forward without backward left goes."""
+        self.drop_small()
+        self.step, self.evaluating = step, evaluating
+        self.callers.clear()
+
+    def begin_backward(self) -> None:
+        self.evaluating = False
+
+    def clear_finite(self) -> None:
+        """The non-finite flag was read (hooks' settle_nonfinite)."""
+        self.finite = None
+
+    def reset(self) -> None:
+        """Drop the step in flight (a backward that raised): sharded, nothing pending, no full gradient."""
+        self.finish_reduce()
+        self.unlanded.clear()
+        self.finite = None
+        self.reduced = False
+        self.reshard()
+        for p in self.params:
+            p.unsharded.grad = p.accumulated = None
+        self.count_full_grads(0)
+
+    def move(self, to: ShardState, *starts: ShardState) -> None:
+        """Change state, checking the transition starts from one of `starts`."""
+        assert self.state in starts, f"unit {self.fqn!r}: {self.state.name} -> {to.name}, expected from " \
+                                     f"{'/'.join(s.name for s in starts)}"
+        self.state = to
 
     # ---- storage -----------------------------------------------------------------
 
@@ -151,9 +206,10 @@ class Unit:
         parameter's dtype (param_dtype, else its master's), each gradient's reduce dtype, and the
         dtype a gather moves (Note [bytes on the wire])."""
         self.master_dtypes = dtypes
-        param_dtype = self.config.param_dtype  # for floating-point parameters: an integer one stays as it is
+        param_dtype = self.options.param_dtype  # for floating-point parameters: an integer one stays as it is
         self.full_dtypes = [param_dtype if param_dtype and dtype.is_floating_point else dtype for dtype in dtypes]
-        self.reduce_dtypes = [self.config.reduce_dtype or dtype for dtype in self.full_dtypes]
+        self.reduce_dtypes = [self.options.reduce_dtype or dtype for dtype in self.full_dtypes]
+        self.reduce_groups = list(dict.fromkeys(self.reduce_dtypes))  # one reduce-scatter each
         one = set(self.full_dtypes)
         self.wire_dtype = one.pop() if len(one) == 1 else torch.uint8 if one else torch.float32
         self.wire_numels = [numel * dtype.itemsize // self.wire_dtype.itemsize  # per rank, per parameter
@@ -167,17 +223,17 @@ class Unit:
     def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """New flat storage for the shards (the masters) and the full parameters; returns
         each parameter's (shard segment, full segment)."""
-        group, config = self.group, self.config
+        group, options = self.group, self.options
         meta = self.compute_device.type == "meta"
-        shard_device = torch.device("cpu") if config.offload and not meta else self.compute_device
-        pin = config.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
+        shard_device = torch.device("cpu") if options.offload and not meta else self.compute_device
+        pin = options.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
         self.shards = [torch.zeros(numel, dtype=dtype, device=shard_device, pin_memory=pin)
                        for numel, dtype in zip(self.shard_numels, self.master_dtypes)]  # each [shard_numel]
         # Note [stable full params]: one storage for every full parameter of the unit;
         # none when they can be the shards themselves (one rank, same dtype, same memory:
         # a CPU-offloaded shard is host memory, which a GPU does not compute with)
         same = (group.shard_pg is None and self.full_dtypes == self.master_dtypes
-                and not runtime.active.separate_memory(shard_device, self.compute_device, offloaded=config.offload))
+                and not runtime.active.separate_memory(shard_device, self.compute_device, offloaded=options.offload))
         if same:
             self.full_flat, self.full_bytes = None, 0
             return [(shard, None) for shard in self.shards]
@@ -196,46 +252,38 @@ class Unit:
             runtime.active.freed(self.full_flat)
             self.full_flat.untyped_storage().resize_(0)
 
-    def materialize(self, device: torch.device, dtypes: list[torch.dtype] | None = None) -> None:
-        """Give a unit built on the meta device (or whose parameters Module.to_empty or .to
-        moved or converted to `dtypes`) real storage: the shards keep the values they hold now,
-        none for meta."""
-        assert self.state is ShardState.SHARDED, f"materialize() in state {self.state.name}"
-        self.compute_device = device
-        self.unset = set()
-        if dtypes is not None:
-            self.set_master_dtypes(dtypes)
-        for p, segment in zip(self.params, self.allocate()):
-            p.rebind(*segment)
-        self.release_storage()
-
     # ---- all-gather -------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """Start gathering the full parameters; a no-op when full or already gathering."""
-        if self.state is ShardState.FULL or self.pending is not None:
+    def unshard(self, adopt: bool = True) -> None:
+        """Start gathering the full parameters; a no-op when full or already gathering.
+        `adopt`: first take parameters assigned in the shards' place (the hooks scan for them
+        once per step instead, at the root's forward: Note [replaced parameters])."""
+        if self.state is not ShardState.SHARDED:
             return
-        self.adopt_replaced()  # before the gather reads the shards
-        self.check_has_values()
+        if adopt:
+            self.adopt_replaced()  # before the gather reads the shards
+        if self.unset or self.compute_device.type == "meta":
+            self.check_has_values()
         if self.full_flat is None:
             return
-        if self.debug:
+        if self.switches.debug:
             self.check_agreement(0)
         self.gathering_small = self.small is not None
         source, group = ([self.small], self.small_group) if self.gathering_small else (self.shards, self.group.shard_pg)
         as_bytes = self.wire_dtype == torch.uint8 and not self.gathering_small  # `small` is bytes already
-        with torch.profiler.record_function(f"fullshard::gather {self.fqn}"):
+        with labelled(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
             runtime.active.allocated(self.full_flat)
             self.stats.full_params(self.full_bytes)
             self.pending = gather_full(source, group=group, dtype=self.wire_dtype, device=self.compute_device,
                                        pool=self.pool, caller=self.caller(0, "all-gather"),
                                        bytes_of=self.full_dtypes if as_bytes else None)
+        self.move(ShardState.GATHERING, ShardState.SHARDED)
         if group is not None:
             self.stats.count(self.fqn, "gather", self.pending.sent_bytes)
 
-    def wait_unshard(self) -> None:
-        """Finish the gather and register the full parameters on the modules."""
+    def wait_unshard(self, adopt: bool = True) -> None:
+        """Finish the gather and register the full parameters on the modules (`adopt`: as unshard's)."""
         if self.state is ShardState.FULL:
             replaced = next((p for p in self.params if p.replacement(full=True) is not None), None)
             if replaced is not None:
@@ -246,12 +294,12 @@ class Unit:
                            "assign=True) of a sharded or full state dict), or in place inside `with "
                            "fullshard.full_params(model):`.")
             return
-        if self.pending is not None:  # a prefetch: replaced parameters drop what it gathered
+        if adopt and self.state is ShardState.GATHERING:  # a prefetch: replaced parameters drop what it gathered
             self.adopt_replaced()
-        self.unshard()  # adopts replaced parameters unless already gathering (a prefetch: scanned above)
+        self.unshard(adopt)  # adopts replaced parameters unless already gathering (a prefetch: scanned above)
         if self.full_flat is not None:
             start = time.perf_counter()
-            with torch.profiler.record_function(f"fullshard::wait gather {self.fqn}"):
+            with labelled(f"fullshard::wait gather {self.fqn}"):
                 self.finish_gather()
             self.stats.wait_s += time.perf_counter() - start
             runtime.active.reads(self.full_flat)  # forward and backward compute with it
@@ -260,9 +308,13 @@ class Unit:
                     if p.replicated and p.sharded.dtype == dtype:  # every rank's copy equal to
                         # the one used, Note [shard layout]; offload: to the host, no wait
                         runtime.active.copy_(p.local_shard(), local_values(p.unsharded))
-        for p in self.params:
-            p.to_full()
-        self.state = ShardState.FULL
+        for p in self.params:  # ShardedParam.to_full, inline: once per parameter per gather
+            full, shard = p.unsharded, p.sharded
+            if full.requires_grad != shard.requires_grad:
+                full.requires_grad_(shard.requires_grad)
+            for module, name in p.slots:
+                module._parameters[name] = full
+        self.move(ShardState.FULL, ShardState.SHARDED)  # finish_gather left GATHERING
 
     def check_has_values(self) -> None:
         """Refuse to gather a unit still on the meta device, or one that assign=True loads gave
@@ -274,19 +326,31 @@ class Unit:
                        "Give every parameter values first: model.to_empty(device=...) then initialize (e.g. "
                        "reset_parameters()), or load_state_dict(..., assign=True) of every parameter.")
 
+    # Note [replaced parameters]: load_state_dict(assign=True), or a user's assignment, may put
+    # another tensor in a shard's place between steps; the unit takes it as the shard
+    # (adopt_replaced). Looking costs a check of every slot of every parameter, so the root
+    # looks once per step, at the start of its forward, for every unit under it; unshard()
+    # called by a user looks again (a load may have happened since). A replacement while a
+    # unit is FULL (after a forward without backward) is refused by wait_unshard, which the
+    # hooks run before every use of a full unit.
+
     def adopt_replaced(self) -> None:
         """Take parameters assigned in the shards' place between steps (load_state_dict(assign=True))
         as the shards (ShardedParam.adopt); a unit still on the meta device gets storage first,
         its other parameters waiting for theirs (a checkpoint loaded file by file), and a gather
         in flight (a prefetch of the old values) is dropped."""
-        replaced = [(p, new) for p in self.params if (new := p.replacement(full=False)) is not None]
-        if not replaced:
+        moved = False  # the usual answer, found without a call per parameter
+        for p in self.params:
+            for module, name in p.slots:
+                moved |= module._parameters.get(name) is not p.sharded
+        if not moved:
             return
+        replaced = [(p, new) for p in self.params if (new := p.replacement(full=False)) is not None]
         if self.compute_device.type == "meta" and not replaced[0][1].is_meta:
-            self.materialize(self.group.device if self.config.offload else replaced[0][1].device)
+            self.relayout(device=self.group.device if self.options.offload else replaced[0][1].device)
             self.unset = {p.fqn for p in self.params}
         self.unset -= {p.fqn for p, _ in replaced}
-        if self.pending is not None:
+        if self.state is ShardState.GATHERING:
             self.finish_gather()
             self.release_storage()
             self.stats.full_params(-self.full_bytes)
@@ -294,9 +358,14 @@ class Unit:
             p.adopt(new)
 
     def caller(self, kind: int, collective: str) -> Caller:
-        """Note [named hangs]: this unit's tag, timeout and name for its collective of `kind` (0: gather, 1: reduce)."""
-        return Caller(p2p_tag(self.index, kind), self.timeout,
-                      f"the {collective} of unit {self.fqn!r} at step {self.step}")
+        """Note [named hangs]: this unit's tag, timeout and name for its collective of `kind`
+        (0: gather, 1: reduce); made once per step."""
+        key = (kind, collective, self.step)
+        caller = self.callers.get(key)
+        if caller is None:
+            caller = self.callers[key] = Caller(p2p_tag(self.index, kind), self.switches.timeout,
+                                                f"the {collective} of unit {self.fqn!r} at step {self.step}")
+        return caller
 
     def finish_gather(self) -> None:
         """Wait for the gather in flight into the full parameters; drop the copy it gathered from."""
@@ -306,17 +375,15 @@ class Unit:
         except CollectiveError as e:
             raise self.failed("all-gather", e) from None
         self.pending = None
+        self.move(ShardState.SHARDED, ShardState.GATHERING)  # gathered into storage the modules do not hold yet
         if self.gathering_small:
             self.drop_small()
 
     def failed(self, collective: str, error: Exception) -> FullShardError:
         """Note [named hangs]: the error a rank raises when a collective of this unit does not
         finish, or when a wait of this unit finds another collective overdue (it names that one)."""
-        what = (f"rank {dist.get_rank()}: {error}" if isinstance(error, OverdueCollective) else
-                f"rank {dist.get_rank()}: the {collective} of unit {self.fqn!r} at step {self.step} did not finish "
-                f"({error})")
-        return fail(
-            what,
+        return collective_failed(
+            f"the {collective} of unit {self.fqn!r} at step {self.step}", error,
             "Every rank must run the same units in the same order: another rank skipped this unit, took another "
             "branch, or died (model.set_debug_checks(True) names where ranks part). Evaluating on rank 0 alone "
             "does this: run every forward on every rank, or evaluate inside `with fullshard.full_params(model, "
@@ -335,7 +402,7 @@ class Unit:
     def compare_next(self, mine: list[int], group: dist.ProcessGroup) -> None:
         """check_agreement within one of the unit's groups."""
         try:
-            everyone = all_gather_ints(mine, device=self.group.device, timeout=self.timeout, group=group)
+            everyone = all_gather_ints(mine, device=self.group.device, timeout=self.switches.timeout, group=group)
         except CollectiveError as e:
             raise self.failed("debug check", e) from None
         if any(theirs != mine for theirs in everyone):
@@ -350,13 +417,13 @@ class Unit:
 
     def gathered_numels(self) -> list[int]:
         """Elements (of the wire dtype) each rank of the gathering group holds per parameter."""
-        longer = self.group.world // self.config.post_forward_world if self.gathering_small else 1
+        longer = self.group.world // self.options.post_forward_world if self.gathering_small else 1
         return [longer * numel for numel in self.wire_numels]
 
     def free_after_forward(self) -> None:
         """reshard() after forward, keeping this rank's 1/k first (Note [smaller world after forward])."""
         if self.small_group is not None and self.state is ShardState.FULL:
-            block = self.group.world // self.config.post_forward_world  # ranks whose shards this rank keeps
+            block = self.group.world // self.options.post_forward_world  # ranks whose shards this rank keeps
             first = self.small_group.rank() * block
             self.small = torch.cat([full.view(self.group.world, -1)[first : first + block].reshape(-1)
                                     for full in self.on_wire([p.full_padded for p in self.params])])
@@ -376,17 +443,21 @@ class Unit:
         """Drop the full parameters and put the shards back on the modules; a no-op when sharded."""
         if not keep_small:
             self.drop_small()
-        if self.pending is not None:  # a prefetch nobody used: finish it, then drop it
+        if self.state is ShardState.GATHERING:  # a prefetch nobody used: finish it, then drop it
             self.finish_gather()
-            self.state = ShardState.FULL
+            self.release_storage()
+            self.stats.full_params(-self.full_bytes)
+            return
         if self.state is ShardState.SHARDED:
             return
-        for p in self.params:
-            p.to_sharded()
+        for p in self.params:  # ShardedParam.to_sharded, inline
+            shard = p.sharded
+            for module, name in p.slots:
+                module._parameters[name] = shard
         if self.full_flat is not None:
             self.release_storage()
             self.stats.full_params(-self.full_bytes)
-        self.state = ShardState.SHARDED
+        self.move(ShardState.SHARDED, ShardState.FULL)
 
     def gather_masters(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, gathered into new tensors on the compute
@@ -426,24 +497,29 @@ class Unit:
 
     # ---- gradients ----------------------------------------------------------------
 
-    def count_full_grads(self) -> None:
-        """Bring stats.full_grad_bytes up to the full gradients this unit holds now."""
-        held = sum(p.full_grad_bytes() for p in self.params)
+    def count_full_grads(self, held: int | None = None) -> None:
+        """Bring stats.full_grad_bytes up to the full gradients this unit holds now (`held`
+        bytes when the caller knows)."""
+        if held is None:
+            held = sum(p.full_grad_bytes() for p in self.params)
         self.stats.full_grads(held - self.counted_grad_bytes)
         self.counted_grad_bytes = held
 
     def has_full_grads(self) -> bool:
-        return any(p.unsharded.grad is not None or p.accumulated is not None for p in self.params)
+        for p in self.params:  # a loop, not any(): once per unit per backward, kept free of calls
+            if p.unsharded.grad is not None or p.accumulated is not None:
+                return True
+        return False
 
     def post_backward(self) -> None:
         """Start reducing (unless gradient sync is off: full gradients then keep accumulating) and reshard."""
-        if self.sync_grads:
+        if self.switches.sync_grads:
             self.reduce_grads()
         else:
             for p, dtype in zip(self.params, self.reduce_dtypes):
-                p.hold_grad(dtype)
+                p.hold_grad(dtype, redistribute)
             self.count_full_grads()
-        if self.reshard_after_backward:
+        if self.switches.reshard_after_backward:
             self.reshard()
 
     def reduce_grads(self) -> None:
@@ -458,26 +534,33 @@ class Unit:
             return
         group = self.group
         self.count_full_grads()
-        full_grads = {p: p.full_grad() for p, _ in trainable}
-        if self.debug:
+        full_grads = {p: p.full_grad(redistribute) for p, _ in trainable}
+        rt = runtime.active
+        one = len(self.reduce_groups) == 1
+        if self.switches.debug:
             self.check_agreement(1, sum(1 << i for i, g in enumerate(full_grads.values()) if g is not None) % (1 << 62))
-        replicate = group.replicate_pg if self.all_reduce_grads and not self.owes_all_reduce else None
-        for dtype in dict.fromkeys(dtype for _, dtype in trainable):
-            grad_params = [p for p, d in trainable if d == dtype]
+        replicate = group.replicate_pg if self.switches.all_reduce_grads and not self.owes_all_reduce else None
+        for dtype in self.reduce_groups:
+            grad_params = [p for p, _ in trainable] if one else [p for p, d in trainable if d == dtype]
+            if not grad_params:
+                continue
             grads = [full_grads.pop(p) for p in grad_params]  # full_grad() took them
-            all_here = all(g is not None for g in grads)  # then every reduced flag is set
+            all_here = True  # then every reduced flag is set
+            for g in grads:
+                all_here = all_here and g is not None
             numels = [p.shard_numel for p in grad_params]
             shard = torch.empty(sum(numels) + len(numels), dtype=dtype,
                                 device=self.compute_device)  # [grad_shard_numel + n_flags]
-            runtime.active.allocated(shard)
-            with torch.profiler.record_function(f"fullshard::reduce_scatter {self.fqn}"):
+            if rt.tracks:
+                rt.allocated(shard)
+            with labelled(f"fullshard::reduce_scatter {self.fqn}"):
                 pending = reduce_scatter_grads(grads, numels, groups=(group.shard_pg, replicate),
-                                               dp_size=group.dp_size, divide_by=self.divide_factor or group.dp_size,
-                                               force_sum=self.force_sum, shard=shard, pool=self.pool,
+                                               dp_size=group.dp_size, divide_by=self.switches.divide_factor or group.dp_size,
+                                               force_sum=self.switches.force_sum, shard=shard, pool=self.pool,
                                                caller=self.caller(1, "reduce-scatter"))
             del grads
             self.pending_reduce.append((grad_params, all_here, pending))
-        self.count_full_grads()
+        self.count_full_grads(sum(p.full_grad_bytes() for p in self.params if not p.sharded.requires_grad))
 
     def finish_reduce(self) -> None:
         """Wait for the reduction in flight and land it on the shards' gradients, or queue it
@@ -492,7 +575,7 @@ class Unit:
     def land_reduced(self, grad_params: list[ShardedParam], all_here: bool, pending: PendingReduce) -> None:
         """finish_reduce for one reduce-scatter's row."""
         start = time.perf_counter()
-        with torch.profiler.record_function(f"fullshard::wait reduce {self.fqn}"):
+        with labelled(f"fullshard::wait reduce {self.fqn}"):
             try:
                 shard = finish_reduce(pending, self.pool)  # [grad_shard_numel + n_flags], on the compute stream
             except CollectiveError as e:
@@ -500,22 +583,22 @@ class Unit:
         self.stats.wait_s += time.perf_counter() - start
         rt = runtime.active
         rt.reads(shard)
-        if self.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
-            self.all_reduce_hook(shard[: shard.numel() - len(grad_params)])
+        if self.switches.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
+            self.switches.all_reduce_hook(shard[: shard.numel() - len(grad_params)])
             rt.writes(shard)
-        if self.nonfinite is not None:  # on the device: hooks read every unit's at once, Note [host syncs]
+        if self.switches.nonfinite is not None:  # on the device: hooks read every unit's at once, Note [host syncs]
             finite = torch.isfinite(shard).all()
             self.finite = finite if self.finite is None else self.finite & finite
         for kind, nbytes in pending.traffic:
             self.stats.count(self.fqn, kind, nbytes)
         self.reduced = True
-        if self.group.replicate_pg is not None and not self.all_reduce_grads:
+        if self.group.replicate_pg is not None and not self.switches.all_reduce_grads:
             self.owes_all_reduce = True
         flags_at = shard.numel() - len(grad_params)
-        if self.config.offload:
+        if self.options.offload:
             masters = {p.sharded.dtype for p in grad_params}  # land on the host in the masters' dtype if one
             row = shard.to(*masters) if len(masters) == 1 and shard.dtype not in masters else shard
-            host = rt.to_host(row, pin=self.config.pin_memory)  # [grad_shard_numel + n_flags]
+            host = rt.to_host(row, pin=self.options.pin_memory)  # [grad_shard_numel + n_flags]
             self.unlanded.append((grad_params, host[flags_at:], host))
         elif not all_here:
             self.unlanded.append((grad_params, rt.to_host(shard[flags_at:], pin=True), shard))
@@ -536,7 +619,8 @@ class Unit:
             if flag:
                 p.accumulate_grad(row[offset : offset + p.local_shape.numel()].view(p.local_shape))
             offset += p.shard_numel
-        runtime.active.writes(*[p.local_grad() for p in grad_params if p.sharded.grad is not None])
+        if runtime.active.tracks:
+            runtime.active.writes(*[p.local_grad() for p in grad_params if p.sharded.grad is not None])
         for p, flag in zip(grad_params, flags):
             if flag:
                 p.run_post_accumulate_hooks()
@@ -544,7 +628,7 @@ class Unit:
     def land_queued(self) -> None:
         """Land the rows queued in `unlanded`, once the host has waited for the GPU."""
         for grad_params, flags, row in self.unlanded:
-            self.land(grad_params, runtime.active.read_on_host(flags, timeout=self.timeout, what=self.caller(
+            self.land(grad_params, runtime.active.read_on_host(flags, timeout=self.switches.timeout, what=self.caller(
                 1, "has-gradient flags").what), row)
         self.unlanded.clear()
 
@@ -555,7 +639,7 @@ class Unit:
         it copied gradients back to host memory (CPU offload): the host must wait for them
         (hooks wait once for every unit, Note [host syncs])."""
         reduced, self.reduced = self.reduced, False
-        if not (reduced and self.owes_all_reduce and self.all_reduce_grads):
+        if not (reduced and self.owes_all_reduce and self.switches.all_reduce_grads):
             return False
         self.owes_all_reduce = False
         grad_params = [p for p in self.params if p.sharded.requires_grad]

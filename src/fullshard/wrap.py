@@ -14,14 +14,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
-from fullshard.api import fully_shard
+
 from fullshard.checks import dp_groups
 from fullshard.module import FSDPModule
 from fullshard.errors import fail
-from fullshard.hooks import Schedule
+from fullshard.init import shard_unit
+from fullshard.options import Schedule
 from fullshard.materialize import check_initializable, has_meta, materialize, sync_eager
 from fullshard.mesh import build_mesh, compute_device, mesh_roles, shard_group
-from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy, checked_policies
 
 WrapPolicy = Iterable[type] | int | Callable[[nn.Module, str], bool] | None
 
@@ -99,6 +100,7 @@ def shard_model(
     if limit_all_gathers is not None and (type(limit_all_gathers) is not int or limit_all_gathers < 1):
         raise fail(f"limit_all_gathers={limit_all_gathers!r} is not a positive int or None",
                    "Pass e.g. 2 (the default) or None for no limit.")
+    mp_policy, offload_policy = checked_policies(mp_policy, offload_policy)
     already = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if already:
         raise fail(f"the model is already sharded (units at {already})",
@@ -121,9 +123,10 @@ def shard_model(
                         forward_prefetch=bool(forward_prefetch), limit=limit_all_gathers)
     inner_mp = None if mp_policy is None else dataclasses.replace(mp_policy, output_dtype=None)
     for module, exclude, _ in units:
-        fully_shard(module, mesh=mesh, reshard_after_forward=spec["reshard_after_forward"],
-                    mp_policy=mp_policy if module is model else inner_mp,  # output_dtype: the root's output only
-                    offload_policy=offload_policy, _exclude=exclude, _schedule=schedule)
+        shard_unit([module], type(module).__name__, mesh=mesh, reshard_after_forward=spec["reshard_after_forward"],
+                   shard_placement_fn=None, mp_policy=mp_policy if module is model else inner_mp,  # output_dtype:
+                   offload_policy=offload_policy, ignored=(), dp_mesh_dims=None,  # the root's output only
+                   exclude=exclude, schedule=schedule)
     if meta:
         materialize(model, init_fn=param_init_fn, sync=sync_module_states)
     recompute(model, recomputed)

@@ -127,7 +127,7 @@ def host_syncs_per_step(model, batch: tuple, optimizer) -> int:
     from fullshard.hooks import units_under
     from fullshard.testing.stream_model import StreamModel
 
-    policies = [unit.nonfinite for unit in units_under(model)]
+    policies = [unit.switches.nonfinite for unit in units_under(model)]
     model.set_nonfinite_grads("raise")
     model_rt = StreamModel()
     try:
@@ -136,7 +136,7 @@ def host_syncs_per_step(model, batch: tuple, optimizer) -> int:
             fullshard.clip_grad_norm_(model, 1.0)
     finally:
         for unit, policy in zip(units_under(model), policies):
-            unit.nonfinite = policy
+            unit.switch(nonfinite=policy)
         optimizer.zero_grad()
     return model_rt.host_syncs
 

@@ -28,7 +28,7 @@ import fullshard
 from fullshard import runtime
 from fullshard.collectives import all_reduce_
 from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
-from fullshard.errors import FullShardError
+from fullshard.errors import FullShardError, collective_failed
 from fullshard.gpt import GPT, Block, GPTConfig
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.cli.run_log import open_log, plot, read_rows, summary
@@ -323,9 +323,9 @@ def share(tensor: torch.Tensor, *, timeout: timedelta, what: str):
         all_reduce_(tensor, "sum", timeout=timeout, what=what)
         return runtime.active.read_on_host(tensor, timeout=timeout, what=what)
     except CollectiveError as e:
-        raise FullShardError(f"rank {dist.get_rank()}: {what} did not finish within {timeout.total_seconds():g} s "
-                             f"({e}). Every rank must reach it; another rank is stopped, hung or died. Restart the "
-                             f"job (fullshard train --max-restarts N resumes from the last checkpoint)") from None
+        raise collective_failed(what, e, "Every rank must reach it; another rank is stopped, hung or died. Restart "
+                                "the job (fullshard train --max-restarts N resumes from the last checkpoint).",
+                                timeout) from None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

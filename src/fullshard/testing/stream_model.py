@@ -149,6 +149,8 @@ class StreamModel:
     dropped, to show that the model notices a missing wait.
     """
 
+    tracks = True  # callers build the arguments of reads/writes/allocated/freed
+
     def __init__(self, *, native: bool = True, skip_waits: tuple[tuple[str, str], ...] = ()) -> None:
         self.native = native
         self.skip_waits = set(skip_waits)

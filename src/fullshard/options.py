@@ -1,0 +1,55 @@
+"""What configures a unit: the options fully_shard resolves, the switches FSDP2's setters
+flip, and the prefetch schedule of a root. Each is a frozen value: a setter makes a new
+one (Unit.relayout, Unit.switch), so no object's fields are written from outside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)  # of every collective until set_timeout, Note [named hangs]
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """Resolved by fully_shard (set_reshard_after_forward makes new ones)."""
+
+    free_after_forward: bool
+    keep_last: bool = True  # keep the unit that ran last in forward full for backward, Note [kept after forward]
+    post_forward_world: int = 1  # >1: after forward keep 1/this of the unit, Note [smaller world after forward]
+    param_dtype: torch.dtype | None = None  # of the full parameters (gather and compute); None: the master's
+    reduce_dtype: torch.dtype | None = None  # of the gradient reduction; None: the compute dtype
+    input_dtype: torch.dtype | None = None  # floating forward inputs are cast to it
+    output_dtype: torch.dtype | None = None  # floating forward outputs are cast to it
+    offload: bool = False  # shards and their gradients live on the CPU
+    pin_memory: bool = False
+
+
+@dataclass(frozen=True)
+class UnitSwitches:
+    """What FSDP2's FSDPModule setters change on a unit, one field per setter."""
+
+    sync_grads: bool = True  # set_requires_gradient_sync: off, full gradients accumulate unreduced
+    all_reduce_grads: bool = True  # set_requires_all_reduce: off, reduce within the group, owe the rest
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True  # False: backward needs none of the unit's parameters (e.g. embeddings)
+    divide_factor: float | None = None  # gradients are divided by this, not the data-parallel size
+    force_sum: bool = False  # reduce with sums and divide after, never NCCL's average
+    all_reduce_hook: Callable | None = None  # called on each reduced gradient row (FSDP2's set_all_reduce_hook)
+    timeout: timedelta = DEFAULT_TIMEOUT  # Note [named hangs]
+    debug: bool = False  # check before each collective that every rank runs the same one
+    nonfinite: str | None = None  # None, "raise" or "skip": what a non-finite reduced gradient does
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When units gather ahead of use, Note [prefetch]; the root's applies to every unit under it."""
+
+    prefetch_before_backward: bool = True  # "pre": before the current unit's gradient computation
+    prefetch_after_backward: bool = False  # "post": after it
+    forward_prefetch: bool = False
+    limit: int | None = 1  # units gathered ahead of use at once (FSDP2's one; shard_model's limit_all_gathers
+    # sets it, 2 unless told); None: no limit
