@@ -16,11 +16,22 @@ from fullshard.runtime import CollectiveError
 # the integer type whose elements have the size of a dtype's, to sum a tensor's bits
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass (e.g. of Note [all-gather extensions]) as its inner plain tensors, flat
+    and back to back (their bytes: what ranks must agree on); a plain tensor as it is."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return tensor
+    names, _ = tensor.__tensor_flatten__()
+    inner = [plain(getattr(tensor, name)).detach().reshape(-1).view(torch.uint8) for name in names]
+    return torch.cat(inner) if inner else torch.zeros(0, dtype=torch.uint8)
+
+
 def bit_sums(tensors: list[torch.Tensor]) -> list[int]:
     """Each tensor's bits summed as integers of its element size, wrapping (0 for meta tensors).
     Wrapping integer addition is associative, so equal values give equal sums on any device
     and CPU, in any summation order, where a float sum's rounding would not; and summing in
     the element's own size needs no widened copy of the tensor."""
+    tensors = [plain(t) for t in tensors]
     sums = []
     for t in tensors:
         if not t.is_meta:

@@ -313,6 +313,7 @@ def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forwa
             input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
             output_dtype=mp.output_dtype,
             offload=isinstance(offload_policy, CPUOffloadPolicy),
+            gather_block=mp.gather_block if mp.gather_dtype is torch.int8 else None,
             pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
         )
         units.append(Unit(modules, part, group, options))

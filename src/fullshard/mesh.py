@@ -42,6 +42,12 @@ class ShardGroup:
         return [pg for pg in (self.shard_pg, self.replicate_pg) if pg is not None]
 
     @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The mesh of the shard dim alone (the last dim of a hybrid mesh), as FSDP2 gives its
+        all-gather extensions."""
+        return self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
+
+    @property
     def dp_size(self) -> int:
         """Ranks that each compute on their own data: gradients are averaged over them."""
         return self.world * self.replicas

@@ -245,9 +245,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: modules passed to ``fully_shard`` (units of the same model).
         """
-        targets = [hooks.unit for hooks in hooks_of(modules, "set_modules_to_forward_prefetch")]
-        for hooks in hooks_on(self):
-            hooks.set_prefetch_targets(forward=targets)
+        self._prefetch("forward", modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Gather these units, in this order, when this unit's backward starts.
@@ -257,9 +255,7 @@ class FSDPModule(TorchFSDPModule):
         Args:
             modules: modules passed to ``fully_shard`` (units of the same model).
         """
-        targets = [hooks.unit for hooks in hooks_of(modules, "set_modules_to_backward_prefetch")]
-        for hooks in hooks_on(self):
-            hooks.set_prefetch_targets(backward=targets)
+        self._prefetch("backward", modules)
 
     def set_timeout(self, seconds: float, *, recurse: bool = True) -> None:
         """Give up on a collective of these units after `seconds` (default 300) with a
@@ -300,6 +296,11 @@ class FSDPModule(TorchFSDPModule):
             raise fail(f"set_nonfinite_grads({policy!r}) is not a policy", "Pass 'raise', 'skip' or None.")
         self._switch(True, nonfinite=policy)
 
+    def _prefetch(self, side: str, modules: list[nn.Module]) -> None:
+        targets = [hooks.unit for hooks in hooks_of(modules, f"set_modules_to_{side}_prefetch")]
+        for hooks in hooks_on(self):
+            hooks.set_prefetch_targets(**{side: targets})
+
     def _switch(self, recurse: bool, **switches: object) -> None:
         for unit in self._units(recurse):
             unit.switch(**switches)
@@ -315,8 +316,9 @@ class FSDPModule(TorchFSDPModule):
         module = super(TorchFSDPModule, self)._apply(fn, recurse)  # torch's own reads FSDP2's state
         for unit in self._units(False):
             moved = [p.local_shard() for p in unit.params]  # a module group's members move their own in turn
-            if any(not local.is_meta and local.untyped_storage()._cdata != shard.untyped_storage()._cdata
-                   for local, shard in zip(moved, unit.shards)):
+            if any(p.extension is None and not local.is_meta and
+                   local.untyped_storage()._cdata != shard.untyped_storage()._cdata
+                   for p, local, shard in zip(unit.params, moved, unit.shards)):
                 device = next(local.device for local in moved if not local.is_meta)
                 unit.relayout(device=unit.group.device if unit.options.offload else device,
                               dtypes=[local.dtype for local in moved])

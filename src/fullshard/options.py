@@ -26,6 +26,7 @@ class UnitOptions:
     output_dtype: torch.dtype | None = None  # floating forward outputs are cast to it
     offload: bool = False  # shards and their gradients live on the CPU
     pin_memory: bool = False
+    gather_block: int | None = None  # int8 gathers with a scale per this many values (Note [int8 gathers])
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fullshard.errors import fail
+from fullshard.extension import Extension, has_extension
 from fullshard.mesh import ShardGroup, spmd_layout
 
 
@@ -129,15 +130,39 @@ class ShardedParam:
             rows_per_shard, local_rows = shard_rows(self.shape[0], group.world, group.rank)
             first_row = group.rank * rows_per_shard
         self.first_row = first_row
-        self.shard_numel = segment.numel()  # [rows_per_shard * row_numel], see Note [shard layout]
+        self.rows_per_shard = rows_per_shard
+        self.shard_numel = rows_per_shard * self.shape[1:].numel()  # see Note [shard layout]
         self.local_shape = torch.Size((local_rows, *self.shape[1:])) if not self.replicated else self.shape
         self.padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
         self.accumulated: torch.Tensor | None = None  # full gradients held by hold_grad
         self.specs: dict[torch.dtype, DTensorSpec] = {}  # the shard's DTensor spec, per dtype (as_dtensor)
-        local = self.bind(segment, full_segment, original.requires_grad)
-        with torch.no_grad():
-            local.copy_(values if self.replicated else values[first_row : first_row + local_rows])
+        self.extension: Extension | None = None  # Note [all-gather extensions]
+        if has_extension(values):
+            local = self.extended(values, fqn)
+        else:
+            local = self.bind(segment, full_segment, original.requires_grad)
+            with torch.no_grad():
+                local.copy_(values if self.replicated else values[first_row : first_row + local_rows])
         self.sharded = nn.Parameter(self.as_dtensor(local), requires_grad=original.requires_grad)
+
+    def extended(self, values: torch.Tensor, fqn: str) -> torch.Tensor:
+        """The shard of a parameter of Note [all-gather extensions]: the subclass's own rows,
+        padded, in a tensor of its own (not the unit's storage); its full form exists after
+        the first gather. Returns the local rows."""
+        if self.tp_mesh is not None or self.view is not None or self.dim or self.replicated:
+            raise fail(f"parameter {fqn!r} defines FSDP2's all-gather extensions and is "
+                       f"{'a 0-d tensor' if self.replicated else 'split along another dim or mesh'}",
+                       "Shard such parameters along dim 0 of a data-parallel mesh (FSDP2's default).")
+        with torch.no_grad():
+            padded = values.new_zeros((self.rows_per_shard, *self.shape[1:]))
+            rows = self.local_shape[0]
+            padded[:rows].copy_(values[self.first_row : self.first_row + rows])
+        self.extension = Extension(padded, fqn)
+        self.padded_shard = padded
+        self.full_padded = None
+        self.unsharded = nn.Parameter(torch.empty(0, dtype=values.dtype, device=values.device),
+                                      requires_grad=values.requires_grad)  # until the first gather
+        return padded[:rows]
 
     def bind(self, segment: torch.Tensor, full_segment: torch.Tensor | None, requires_grad: bool) -> torch.Tensor:
         """Lay this parameter over the unit's storage; return its local rows in `segment`."""
@@ -162,6 +187,10 @@ class ShardedParam:
     def rebind(self, segment: torch.Tensor, full_segment: torch.Tensor | None) -> None:
         """Move onto new storage (deferred init, Module.to_empty), keeping the values the shard
         has (none on meta) and the Parameter object the user and optimizer hold."""
+        if self.extension is not None:
+            raise fail(f"parameter {self.fqn!r} defines FSDP2's all-gather extensions and was moved or built on "
+                       f"the meta device", "Give the model its device and values first, then convert its "
+                       "parameters (e.g. torchao's convert_to_float8_training), then shard it.")
         values = self.local_shard()
         local = self.bind(segment, full_segment, self.sharded.requires_grad)
         if not values.is_meta:

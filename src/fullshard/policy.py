@@ -21,14 +21,28 @@ class MixedPrecisionPolicy:
             ``param_dtype``. Reduced gradients land on the shards in the master dtype.
         output_dtype: cast floating-point outputs of the module to this dtype.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        gather_dtype: ``torch.int8`` sends each floating-point shard as int8 with one
+            float32 scale per block of ``gather_block`` values, rebuilt in ``param_dtype``
+            (Note [int8 gathers] in ``fullshard/quantize.py``): about half of bf16's bytes,
+            forward and backward within half a quantization step of the masters, gradients
+            and masters exact. ``None`` sends ``param_dtype``.
+        gather_block: values per scale of an int8 gather.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    gather_dtype: torch.dtype | None = None
+    gather_block: int = 256
 
     def __post_init__(self) -> None:
+        if self.gather_dtype not in (None, torch.int8):
+            raise fail(f"MixedPrecisionPolicy(gather_dtype={self.gather_dtype!r}) is not offered",
+                       "Pass gather_dtype=torch.int8 (block-quantized gathers) or None.")
+        if type(self.gather_block) is not int or not 1 <= self.gather_block <= 1 << 20:
+            raise fail(f"MixedPrecisionPolicy(gather_block={self.gather_block!r}) must be an int from 1 to 2**20",
+                       "Pass e.g. 256 (the default).")
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -57,6 +57,8 @@ from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingRed
 from fullshard.errors import FullShardError, collective_failed, fail
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
+from fullshard.extension import has_extension
+from fullshard.quantize import BlockQuantized
 from fullshard.param import ShardedParam, local_values, rows_first, shard_numel
 from fullshard.runtime import CollectiveError, labelled
 from fullshard.stats import Stats
@@ -109,11 +111,13 @@ class Unit:
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
         self.shard_numels = [shard_numel(rows_first(local_values(o.param).shape, o.dim), group.world) for o in owned]
+        self.extended = [has_extension(local_values(o.param)) for o in owned]  # Note [all-gather extensions]
         self.set_master_dtypes([o.param.dtype for o in owned])
         self.compute_device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
         segments = self.allocate()
         self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment, o.dim, o.view)
                        for o, segment in zip(owned, segments)]
+        self.make_quantizers()
         self.release_storage()
         for p in self.params:
             p.to_sharded()
@@ -160,6 +164,7 @@ class Unit:
                 self.set_master_dtypes(dtypes)
             for p, segment in zip(self.params, self.allocate()):
                 p.rebind(*segment)
+            self.make_quantizers()
             self.release_storage()
         self.small_group = smaller_group(self.group, self.options.post_forward_world) \
             if self.full_flat is not None else None
@@ -211,9 +216,18 @@ class Unit:
         self.reduce_dtypes = [self.options.reduce_dtype or dtype for dtype in self.full_dtypes]
         self.reduce_groups = list(dict.fromkeys(self.reduce_dtypes))  # one reduce-scatter each
         one = set(self.full_dtypes)
-        self.wire_dtype = one.pop() if len(one) == 1 else torch.uint8 if one else torch.float32
+        transformed = any(self.extended) or self.options.gather_block is not None  # gathers of other dtypes
+        self.wire_dtype = one.pop() if len(one) == 1 and not transformed else torch.uint8 if one else torch.float32
         self.wire_numels = [numel * dtype.itemsize // self.wire_dtype.itemsize  # per rank, per parameter
                             for numel, dtype in zip(self.shard_numels, self.full_dtypes)]
+
+    def make_quantizers(self) -> None:
+        """Note [int8 gathers]: a quantizer for each floating-point parameter of more than 0 dims
+        (None for the others), when the options ask for int8 gathers."""
+        block = self.options.gather_block
+        self.quantized = [BlockQuantized(numel, block, self.compute_device)
+                          if block is not None and dtype.is_floating_point and not p.replicated and p.extension is None
+                          else None for p, numel, dtype in zip(self.params, self.shard_numels, self.master_dtypes)]
 
     def on_wire(self, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
         """Full tensors (one per parameter, in its full dtype) as a gather moves them: as they
@@ -227,27 +241,36 @@ class Unit:
         meta = self.compute_device.type == "meta"
         shard_device = torch.device("cpu") if options.offload and not meta else self.compute_device
         pin = options.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
-        self.shards = [torch.zeros(numel, dtype=dtype, device=shard_device, pin_memory=pin)
-                       for numel, dtype in zip(self.shard_numels, self.master_dtypes)]  # each [shard_numel]
+        self.shards = [torch.zeros(0 if ext else numel, dtype=dtype, device=shard_device, pin_memory=pin)
+                       for numel, dtype, ext in zip(self.shard_numels, self.master_dtypes, self.extended)]
+        # each [shard_numel]; an extension parameter's shard is a tensor of its own (Note [all-gather extensions])
         # Note [stable full params]: one storage for every full parameter of the unit;
         # none when they can be the shards themselves (one rank, same dtype, same memory:
         # a CPU-offloaded shard is host memory, which a GPU does not compute with)
-        same = (group.shard_pg is None and self.full_dtypes == self.master_dtypes
+        same = (group.shard_pg is None and self.full_dtypes == self.master_dtypes and not any(self.extended)
                 and not runtime.active.separate_memory(shard_device, self.compute_device, offloaded=options.offload))
         if same:
             self.full_flat, self.full_bytes = None, 0
             return [(shard, None) for shard in self.shards]
         starts, end = [], 0  # each parameter's block of bytes, [world * shard_numel] of its full dtype
-        for numel, dtype in zip(self.shard_numels, self.full_dtypes):
+        for numel, dtype, ext in zip(self.shard_numels, self.full_dtypes, self.extended):
+            numel = 0 if ext else numel
             size = dtype.itemsize
             starts.append(-(-end // size) * size)  # aligned for its dtype (only mixed dtypes need it)
             end = starts[-1] + group.world * numel * size
         self.full_flat = torch.empty(end, dtype=torch.uint8, device=self.compute_device)  # [unit full bytes]
         self.full_bytes = self.full_flat.untyped_storage().nbytes()
-        return [(shard, self.full_flat[start : start + group.world * numel * dtype.itemsize].view(dtype))
-                for shard, start, numel, dtype in zip(self.shards, starts, self.shard_numels, self.full_dtypes)]
+        return [(shard, None if ext else self.full_flat[start : start + group.world * numel * dtype.itemsize].view(dtype))
+                for shard, start, numel, dtype, ext in zip(self.shards, starts, self.shard_numels, self.full_dtypes,
+                                                          self.extended)]
 
     def release_storage(self) -> None:
+        for p in getattr(self, "params", ()):  # (none yet while the constructor allocates)
+            if p.extension is not None:
+                p.extension.free()
+        for quantizer in getattr(self, "quantized", ()):
+            if quantizer is not None:
+                quantizer.free()
         if self.full_flat is not None:
             runtime.active.freed(self.full_flat)
             self.full_flat.untyped_storage().resize_(0)
@@ -271,13 +294,16 @@ class Unit:
         self.gathering_small = self.small is not None
         source, group = ([self.small], self.small_group) if self.gathering_small else (self.shards, self.group.shard_pg)
         as_bytes = self.wire_dtype == torch.uint8 and not self.gathering_small  # `small` is bytes already
+        kinds = self.full_dtypes
+        if self.wire_transformed() and not self.gathering_small:
+            source, kinds = self.wire_inputs()
         with labelled(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
             runtime.active.allocated(self.full_flat)
             self.stats.full_params(self.full_bytes)
             self.pending = gather_full(source, group=group, dtype=self.wire_dtype, device=self.compute_device,
                                        pool=self.pool, caller=self.caller(0, "all-gather"),
-                                       bytes_of=self.full_dtypes if as_bytes else None)
+                                       bytes_of=kinds if as_bytes else None)
         self.move(ShardState.GATHERING, ShardState.SHARDED)
         if group is not None:
             self.stats.count(self.fqn, "gather", self.pending.sent_bytes)
@@ -308,6 +334,12 @@ class Unit:
                     if p.replicated and p.sharded.dtype == dtype:  # every rank's copy equal to
                         # the one used, Note [shard layout]; offload: to the host, no wait
                         runtime.active.copy_(p.local_shard(), local_values(p.unsharded))
+                for p, dtype, quantizer in zip(self.params, self.full_dtypes, self.quantized):
+                    if p.extension is not None:  # Note [all-gather extensions]
+                        p.unsharded = p.extension.rebuild(p.sharded._local_tensor, dtype, p.global_shape,
+                                                          p.sharded.requires_grad)
+                    elif quantizer is not None and quantizer.outputs and not self.gathering_small:
+                        quantizer.dequantize(p.full_padded, self.group.world)  # Note [int8 gathers]
         for p in self.params:  # ShardedParam.to_full, inline: once per parameter per gather
             full, shard = p.unsharded, p.sharded
             if full.requires_grad != shard.requires_grad:
@@ -367,11 +399,47 @@ class Unit:
                                                 f"the {collective} of unit {self.fqn!r} at step {self.step}")
         return caller
 
+    def wire_transformed(self) -> bool:
+        """Whether a parameter goes on the wire as something else than its full dtype (Note
+        [all-gather extensions], Note [int8 gathers])."""
+        return any(self.extended) or self.options.gather_block is not None
+
+    def wire_inputs(self) -> tuple[list[torch.Tensor], list[torch.dtype]]:
+        """What a unit sends when some parameters go on the wire transformed: the others'
+        shards, each extension parameter's fsdp_pre_all_gather tensors, each quantized one's
+        int8 blocks and scales; and the dtype each goes as (its bytes)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415 (what FSDP2 passes)
+
+        policy = MixedPrecisionPolicy(param_dtype=self.options.param_dtype, reduce_dtype=self.options.reduce_dtype,
+                                      output_dtype=self.options.output_dtype,
+                                      cast_forward_inputs=self.options.input_dtype is not None)
+        sources, kinds = [], []
+        for p, shard, dtype, quantizer in zip(self.params, self.shards, self.full_dtypes, self.quantized):
+            if quantizer is not None:
+                q, scales = quantizer.inputs(shard)
+                sources += [q, scales]
+                kinds += [torch.int8, torch.float32]
+                continue
+            if p.extension is None:
+                sources.append(shard)
+                kinds.append(dtype)
+                continue
+            local = p.sharded._local_tensor
+            if self.options.offload:
+                local = local.to(self.compute_device)
+            inputs = p.extension.inputs(local, p.rows_per_shard, mesh=self.group.shard_mesh, outer=p.global_shape,
+                                        module=self.module, mp_policy=policy)
+            sources += inputs
+            kinds += [t.dtype for t in inputs]
+        return sources, kinds
+
     def finish_gather(self) -> None:
         """Wait for the gather in flight into the full parameters; drop the copy it gathered from."""
+        fulls = self.gather_targets(self.gathering_small)
+        ranks = self.small_group.size() if self.gathering_small else self.group.world
+        numels = [full.numel() // ranks for full in fulls]  # of the wire dtype, per rank of the gathering group
         try:
-            finish_gather(self.pending, self.on_wire([p.full_padded for p in self.params]), self.gathered_numels(),
-                          self.pool)
+            finish_gather(self.pending, fulls, numels, self.pool)
         except CollectiveError as e:
             raise self.failed("all-gather", e) from None
         self.pending = None
@@ -415,10 +483,23 @@ class Unit:
                        "Every rank must run the same units in the same order and compute gradients for the same "
                        "parameters while debug checks are on; make the model's control flow the same on every rank.")
 
-    def gathered_numels(self) -> list[int]:
-        """Elements (of the wire dtype) each rank of the gathering group holds per parameter."""
-        longer = self.group.world // self.options.post_forward_world if self.gathering_small else 1
-        return [longer * numel for numel in self.wire_numels]
+    def gather_targets(self, small: bool) -> list[torch.Tensor]:
+        """Where a gather puts every rank's part, in order, each [world * part] of the wire dtype:
+        each parameter's full storage, or, for a parameter that goes on the wire transformed,
+        its own output buffers (Note [all-gather extensions], Note [int8 gathers]); `small`:
+        for the gather inside the smaller group, where a quantized parameter's rows come as
+        the full values kept after forward (Note [smaller world after forward])."""
+        if not self.wire_transformed():
+            return self.on_wire([p.full_padded for p in self.params])
+        out = []
+        for p, quantizer in zip(self.params, self.quantized):
+            if p.extension is not None:
+                out += [buffer.view(torch.uint8) for buffer in p.extension.output_buffers(self.group.world)]
+            elif quantizer is not None and not small:
+                out += [buffer.view(torch.uint8) for buffer in quantizer.output_buffers(self.group.world)]
+            else:
+                out.append(p.full_padded.view(torch.uint8))
+        return out
 
     def free_after_forward(self) -> None:
         """reshard() after forward, keeping this rank's 1/k first (Note [smaller world after forward])."""
@@ -426,7 +507,7 @@ class Unit:
             block = self.group.world // self.options.post_forward_world  # ranks whose shards this rank keeps
             first = self.small_group.rank() * block
             self.small = torch.cat([full.view(self.group.world, -1)[first : first + block].reshape(-1)
-                                    for full in self.on_wire([p.full_padded for p in self.params])])
+                                    for full in self.gather_targets(small=True)])
             runtime.active.reads(self.full_flat)
             runtime.active.allocated(self.small)
             runtime.active.writes(self.small)
@@ -462,6 +543,11 @@ class Unit:
     def gather_masters(self) -> list[torch.Tensor]:
         """The full parameters in the master dtype, gathered into new tensors on the compute
         device (to read or edit whole weights; the unit's own state does not change)."""
+        extended = next((p.fqn for p in self.params if p.extension is not None), None)
+        if extended is not None:
+            raise fail(f"parameter {extended!r} defines FSDP2's all-gather extensions, whose whole value only "
+                       f"the subclass knows how to rebuild", "Use the sharded state dict (get_state_dict(model, "
+                       "full=False)), or gather inside a forward (the subclass's own fsdp_post_all_gather).")
         if self.unset:
             self.check_has_values()
         fulls = {}

@@ -164,13 +164,15 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, devic
             print(plan.explain(), flush=True)
         return f"planned: {plan.chosen.strategy}, {plan.chosen.precision}"
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    gather = torch.int8 if cfg.gather == "int8" else None
     fullshard.shard_model(
         model, wrap={Block} if cfg.wrap == "block" else None if cfg.wrap == "none" else int(cfg.wrap),
-        strategy=cfg.strategy, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=low) if low else None,
+        strategy=cfg.strategy, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=low, gather_dtype=gather)
+        if low or gather else None,
         offload_policy=fullshard.CPUOffloadPolicy() if cfg.cpu_offload else None,
         backward_prefetch=None if cfg.backward_prefetch == "none" else cfg.backward_prefetch,
         forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None)
-    return f"{cfg.strategy}, {cfg.precision}"
+    return f"{cfg.strategy}, {cfg.precision}" + (", int8 gathers" if gather else "")
 
 
 def resume(run: Run, ckpt: Path) -> int:
