@@ -48,6 +48,7 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard import runtime
@@ -216,8 +217,14 @@ class Unit:
         self.reduce_dtypes = [self.options.reduce_dtype or dtype for dtype in self.full_dtypes]
         self.reduce_groups = list(dict.fromkeys(self.reduce_dtypes))  # one reduce-scatter each
         one = set(self.full_dtypes)
-        transformed = any(self.extended) or self.options.gather_block is not None  # gathers of other dtypes
-        self.wire_dtype = one.pop() if len(one) == 1 and not transformed else torch.uint8 if one else torch.float32
+        # whether some parameter goes on the wire as something else than its full dtype (Note
+        # [all-gather extensions], Note [int8 gathers]); then the gather moves bytes
+        self.transformed = any(self.extended) or self.options.gather_block is not None
+        self.wire_dtype = one.pop() if len(one) == 1 and not self.transformed else torch.uint8 if one else \
+            torch.float32
+        self.extension_policy = TorchMixedPrecisionPolicy(  # what FSDP2 gives fsdp_pre_all_gather
+            param_dtype=self.options.param_dtype, reduce_dtype=self.options.reduce_dtype,
+            output_dtype=self.options.output_dtype, cast_forward_inputs=self.options.input_dtype is not None)
         self.wire_numels = [numel * dtype.itemsize // self.wire_dtype.itemsize  # per rank, per parameter
                             for numel, dtype in zip(self.shard_numels, self.full_dtypes)]
 
@@ -265,10 +272,9 @@ class Unit:
                                                           self.extended)]
 
     def release_storage(self) -> None:
-        for p in getattr(self, "params", ()):  # (none yet while the constructor allocates)
+        for p, quantizer in zip(self.params, self.quantized):
             if p.extension is not None:
                 p.extension.free()
-        for quantizer in getattr(self, "quantized", ()):
             if quantizer is not None:
                 quantizer.free()
         if self.full_flat is not None:
@@ -295,7 +301,7 @@ class Unit:
         source, group = ([self.small], self.small_group) if self.gathering_small else (self.shards, self.group.shard_pg)
         as_bytes = self.wire_dtype == torch.uint8 and not self.gathering_small  # `small` is bytes already
         kinds = self.full_dtypes
-        if self.wire_transformed() and not self.gathering_small:
+        if self.transformed and not self.gathering_small:
             source, kinds = self.wire_inputs()
         with labelled(f"fullshard::gather {self.fqn}"):
             self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
@@ -399,20 +405,10 @@ class Unit:
                                                 f"the {collective} of unit {self.fqn!r} at step {self.step}")
         return caller
 
-    def wire_transformed(self) -> bool:
-        """Whether a parameter goes on the wire as something else than its full dtype (Note
-        [all-gather extensions], Note [int8 gathers])."""
-        return any(self.extended) or self.options.gather_block is not None
-
     def wire_inputs(self) -> tuple[list[torch.Tensor], list[torch.dtype]]:
         """What a unit sends when some parameters go on the wire transformed: the others'
         shards, each extension parameter's fsdp_pre_all_gather tensors, each quantized one's
         int8 blocks and scales; and the dtype each goes as (its bytes)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415 (what FSDP2 passes)
-
-        policy = MixedPrecisionPolicy(param_dtype=self.options.param_dtype, reduce_dtype=self.options.reduce_dtype,
-                                      output_dtype=self.options.output_dtype,
-                                      cast_forward_inputs=self.options.input_dtype is not None)
         sources, kinds = [], []
         for p, shard, dtype, quantizer in zip(self.params, self.shards, self.full_dtypes, self.quantized):
             if quantizer is not None:
@@ -428,7 +424,7 @@ class Unit:
             if self.options.offload:
                 local = local.to(self.compute_device)
             inputs = p.extension.inputs(local, p.rows_per_shard, mesh=self.group.shard_mesh, outer=p.global_shape,
-                                        module=self.module, mp_policy=policy)
+                                        module=self.module, mp_policy=self.extension_policy)
             sources += inputs
             kinds += [t.dtype for t in inputs]
         return sources, kinds
@@ -489,7 +485,7 @@ class Unit:
         its own output buffers (Note [all-gather extensions], Note [int8 gathers]); `small`:
         for the gather inside the smaller group, where a quantized parameter's rows come as
         the full values kept after forward (Note [smaller world after forward])."""
-        if not self.wire_transformed():
+        if not self.transformed:
             return self.on_wire([p.full_padded for p in self.params])
         out = []
         for p, quantizer in zip(self.params, self.quantized):
