@@ -5,8 +5,9 @@ that the step is the framework's own work (issue #27's measure).
 
 A GPT of 2 blocks (width 64, 2 heads, vocabulary 512, sequence 32), global batch 4, on 2
 gloo ranks, fp32, SGD: fullshard (shard_model, a unit per block and the root), FSDP2
-(fully_shard per block, then the root) and DDP, alternated round by round (A B C A B C
-...), each round `steps` timed steps after 3 warm-up ones. Times are rank 0's, medians over
+(fully_shard per block, then the root), each with its defaults and with forward prefetch
+("+fp": fullshard's forward_prefetch=True; FSDP2's set_modules_to_forward_prefetch of the
+next unit on each unit), and DDP, alternated round by round (A B C A B C ...), each round `steps` timed steps after 3 warm-up ones. Times are rank 0's, medians over
 every step of every round: the step, its forward and its backward (each ended by a barrier,
 so a rank waiting for its peer counts), as wall time and as the main thread's CPU time
 (time.thread_time: the host's own work, not its waits nor gloo's threads). Per unit:
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-IMPLS = ("fullshard", "fsdp2", "ddp")
+IMPLS = ("fullshard", "fullshard+fp", "fsdp2", "fsdp2+fp", "ddp")
 UNITS = 3
 
 
@@ -33,16 +34,20 @@ def build(impl: str) -> torch.nn.Module:
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=2, n_head=2, n_embd=64))
-    if impl == "fullshard":
+    if impl.startswith("fullshard"):
         import fullshard
 
-        fullshard.shard_model(model, wrap={Block})
-    elif impl == "fsdp2":
+        fullshard.shard_model(model, wrap={Block}, forward_prefetch=impl.endswith("+fp"))
+    elif impl.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
         for block in model.h:
             fully_shard(block)
         fully_shard(model)
+        if impl.endswith("+fp"):  # each unit gathers the next one before it runs
+            units = [model, *model.h]
+            for unit, after in zip(units, units[1:]):
+                unit.set_modules_to_forward_prefetch([after])
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model
@@ -99,8 +104,9 @@ def worker(rank: int, port: int, rounds: int, steps: int) -> None:
                 step, fwd, bwd = med[impl][at : at + 3]
                 print(f"| {impl} | {step:.2f} | {fwd:.2f} | {bwd:.2f} | {step - ddp[0]:.2f} | "
                       f"{(fwd - ddp[1]) / UNITS:.2f} | {(bwd - ddp[2]) / UNITS:.2f} |")
-            ours, theirs = med["fullshard"][at] - ddp[0], med["fsdp2"][at] - ddp[0]
-            print(f"\n(fullshard - DDP) / (FSDP2 - DDP) = {ours / theirs:.2f}")
+            for suffix, how in (("", "defaults"), ("+fp", "forward prefetch")):
+                ours, theirs = med["fullshard" + suffix][at] - ddp[0], med["fsdp2" + suffix][at] - ddp[0]
+                print(f"\n{how}: (fullshard - DDP) / (FSDP2 - DDP) = {ours / theirs:.2f}")
     dist.barrier()
     dist.destroy_process_group()
 

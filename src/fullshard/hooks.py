@@ -283,8 +283,10 @@ class RootContext:
         """End of backward: reduce what no PostBackward reduced, reshard every unit, and land
         the gradients that waited for the host (Note [landing])."""
         with labelled("fullshard::final_callback"):
-            for hooks in reversed(self.units):
+            for hooks in reversed(self.units):  # issue every reduction left, then wait: they overlap
                 hooks.finish_backward()
+            for hooks in reversed(self.units):
+                hooks.unit.finish_reduce()
             reduced = any(hooks.unit.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
             if any(hooks.unit.unlanded for hooks in self.units):  # the one host sync, Note [host syncs]
                 self.host_waits("the gradients copied to host memory")
@@ -517,7 +519,6 @@ class UnitHooks:
             self.unit.post_backward()
         elif self.unit.switches.reshard_after_backward:
             self.unit.reshard()
-        self.unit.finish_reduce()
         self.needs_reduce = False
         self.phase = Phase.IDLE
 
