@@ -54,6 +54,10 @@ if dist.get_rank() == 0:
           f"(+ AdamW state {2 * shard / 2**20:.0f} MB), one block {unit / 2**20:.0f} MB, world {dist.get_world_size()}\n")
     print("| operation | peak RSS rise per rank, MB | seconds |\n|---|---|---|")
 measure("fullshard.save (model + optimizer)", lambda: fullshard.save(path, model, optimizer, step=1))
+measure("fullshard.save(block=False), then result(): the first (allocates the staging buffers)",
+        lambda: fullshard.save(path, model, optimizer, step=1, block=False).result())
+measure("fullshard.save(block=False), then result(): the next (reuses them)",
+        lambda: fullshard.save(path, model, optimizer, step=1, block=False).result())
 measure("fullshard.load (model + optimizer)", lambda: fullshard.load(path, model, optimizer))
 measure("get_state_dict(full=True, cpu_offload=True), model only", lambda: fullshard.get_state_dict(model))
 measure("get_state_dict(full=True, rank0_only=True), model only",

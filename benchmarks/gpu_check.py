@@ -216,6 +216,38 @@ def parity(rank: int, world: int, device) -> list[dict]:
     return records
 
 
+def background_save(rank: int, world: int, device, path: str) -> dict:
+    """save(block=False) on the device (pinned staging copies on the "stage" stream, Note
+    [background saves]), two more steps while it writes, then a fresh model loads it: the
+    parameters at the save, bitwise."""
+    import torch
+    import torch.distributed as dist
+
+    import fullshard
+
+    generator = torch.Generator().manual_seed(2)
+    batches = [tuple(t.to(device) for t in (x, torch.roll(x, -1, 1)))
+               for x in (torch.randint(0, 97, (4 * world, 32), generator=generator) for _ in range(3))]
+    try:
+        model = shard(build(device), "full_shard", 0, "fp32", False, True, device.type)
+        train_sharded(model, batches[:1], rank, world, "fp32", device)
+        at_save = {n: v.clone() for n, v in fullshard.get_state_dict(model)[0].items()}
+        handle = fullshard.save(path, model, step=1, block=False)
+        train_sharded(model, batches[1:], rank, world, "fp32", device)
+        handle.result()
+        fresh = shard(build(device), "full_shard", 0, "fp32", False, True, device.type)
+        fullshard.load(path, fresh)
+        loaded = fullshard.get_state_dict(fresh)[0]
+        diff = max((loaded[n].float() - v.float()).abs().max().item() for n, v in at_save.items())
+        ok, detail = diff == 0.0, f"largest difference from the values at the save {diff:.1e}"
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(flag)
+    log(rank, f"{'PASS' if flag.item() == 0 else 'FAIL'}  background save: {detail}")
+    return {"name": "background save", "precision": "save", "ok": flag.item() == 0, "detail": detail}
+
+
 def step_benchmark(rank: int, world: int, device, steps: int) -> dict:
     """fullshard against FSDP2 on the 100m GPT (tiny on the CPU) in bf16: median step time and
     peak memory, the best of two alternated runs each."""
@@ -291,6 +323,8 @@ def worker(args: argparse.Namespace) -> int:
               "torch": torch.__version__}
     if args.part == "parity":
         result["parity"] = parity(rank, world, device)
+        result["parity"].append(background_save(rank, world, device, os.path.join(os.path.dirname(args.result),
+                                                                                   "ckpt")))
     else:
         result["bench"] = step_benchmark(rank, world, device, args.steps)
     dist.barrier()
@@ -331,6 +365,10 @@ def table(parity_run: dict | None, bench_run: dict | None) -> list[str]:
             loss, param = (max(r[k] for r in mine) for k in ("loss", "param"))
             lines.append(f"| parity {precision}, world 2 on one device ({parity_run['device']}) | {passed} of "
                          f"{len(mine)} pass | largest drift: loss {loss:.2e}, parameters {param:.2e} |")
+        for r in records:
+            if r["precision"] == "save":
+                lines.append(f"| save(block=False), 2 steps while it writes, load | {'pass' if r['ok'] else 'FAIL'} "
+                             f"| {r['detail']} |")
     if bench_run is None:
         lines.append("| step, world 1, against FSDP2 | did not finish | see the output above |")
     else:

@@ -101,3 +101,24 @@ def logged_step(log: Path) -> int:
         except json.JSONDecodeError:
             continue
     return max(steps)
+
+
+def wait_for_checkpoint(run: subprocess.Popen, out: Path, step: int) -> None:
+    """Return once out/checkpoint's LATEST names a checkpoint of `step` or later (saves are
+    written in the background, so a logged step does not mean its checkpoint is complete), or
+    the run has ended."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while run.poll() is None and checkpointed_step(out / "checkpoint") < step:
+        if time.monotonic() > deadline:
+            kill_all(run.pid)
+            raise AssertionError(f"no checkpoint of step {step} in {RUN_TIMEOUT_S} s")
+        time.sleep(0.02)
+
+
+def checkpointed_step(ckpt: Path) -> int:
+    """The step of the checkpoint LATEST names (-1: none yet)."""
+    try:
+        version = (ckpt / "LATEST").read_text().strip()
+        return json.loads((ckpt / version / "fullshard.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return -1

@@ -43,11 +43,15 @@ def full_disk_job(root: str) -> dict:
     step(model, opt, 7)
     start = time.perf_counter()
     out = {"full": raises(lambda: fullshard.save(root, model, opt, step=2)), "seconds": time.perf_counter() - start}
+    handle = fullshard.save(root, model, opt, step=2, block=False)  # fails in the background: named at the wait
+    out["full, background"] = raises(handle.result)
     dist.barrier()
     if dist.get_rank() == 0:
         subprocess.run(["mount", "-o", "remount,ro", root], check=True)
     dist.barrier()
     out["read-only"] = raises(lambda: fullshard.save(root, model, opt, step=3))
+    fullshard.save(root, model, opt, step=3, block=False)  # its failure raises at the next save
+    out["read-only, background"] = raises(lambda: fullshard.save(root, model, opt, step=4))
     out["loaded"] = fullshard.load(root, model, opt)
     out["params"] = max_diff(full_state(model), want)
     out["optim"] = max(abs(a - b).max().item() for a, b in zip(optimizer_values(opt), want_opt))
@@ -74,7 +78,10 @@ def small_disk(tmp_path, world2):
 def test_a_full_or_read_only_disk_fails_every_rank_by_name_and_keeps_the_last_checkpoint(world2, small_disk):
     for got in world2.run(full_disk_job, root=str(small_disk)):
         assert "No space left on device" in got["full"] and "Free space on" in got["full"], got["full"]
+        background = got["full, background"]  # which rank finds the disk full first varies
+        assert "No space left on device" in background and "Free space on" in background, background
         assert "Read-only file system" in got["read-only"], got["read-only"]
+        assert "Read-only file system" in got["read-only, background"], got["read-only, background"]
         assert "the previous checkpoint at" in got["full"] and "is unchanged" in got["read-only"]
         assert got["loaded"] == {"step": 1, "extra": None} and got["params"] == 0.0 and got["optim"] == 0.0
         assert got["versions"] == [False, True]  # LATEST and the one version: the failed saves left nothing

@@ -21,12 +21,14 @@ from tests.runs import STRAIGHT, finish, fullshard, metrics
 
 
 def test_one_and_two_ranks_give_the_same_first_step_and_the_loss_falls(straight_run, tmp_path):
-    finish(fullshard("train", *STRAIGHT, "--steps", "1", "--out", str(tmp_path), launcher="rank"))
+    finish(fullshard("train", *STRAIGHT, "--steps", "1", "--out", str(tmp_path), "--no-background-saves",
+                     launcher="rank"))
     one, two = metrics(tmp_path), metrics(straight_run)
     first = lambda rows: next(r for r in rows if "loss" in r)
     # the same global batch and initial weights; only the order of the batch sums differs
     assert first(one)["loss"] == pytest.approx(first(two)["loss"], abs=1e-5)
     assert first(one)["grad_norm"] == pytest.approx(first(two)["grad_norm"], rel=1e-4)
+    assert (tmp_path / "checkpoint" / "LATEST").is_file()  # its one save blocked; the straight run's did not
     vals = [r["val_loss"] for r in two if "val_loss" in r]
     assert len(vals) == 4 and vals[-1] < vals[0] - 0.5  # validation loss falls visibly in 30 steps
 
@@ -36,8 +38,8 @@ def test_outputs_are_well_formed(straight_run):
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 31))
     for r in steps:
-        assert {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mb", "sent_bytes"} <= set(r)
-        assert len(r["peak_mem_mb"]) == 2 and r["sent_bytes"] > 0
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mb", "sent_bytes", "step_s"} <= set(r)
+        assert len(r["peak_mem_mb"]) == 2 and r["sent_bytes"] > 0 and r["step_s"] > 0
     png = (straight_run / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert (straight_run / "checkpoint" / "LATEST").is_file()

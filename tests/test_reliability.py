@@ -23,7 +23,8 @@ from fullshard.gpt import GPT, Block, GPTConfig
 from fullshard.cli.run_log import read_rows
 from tests.models import SEQ, VOCAB, gpt_loss, tiny_gpt, token_batch
 from tests.reference import full_state, global_batches, local_slice, make_optimizer, max_diff, train
-from tests.runs import RUN_TIMEOUT_S, STRAIGHT, finish, fullshard as fullshard_cli, metrics, wait_for_step
+from tests.runs import (RUN_TIMEOUT_S, STRAIGHT, finish, fullshard as fullshard_cli, metrics, wait_for_checkpoint,
+                        wait_for_step)
 from tests.test_errors import raises
 from tests.world import World
 
@@ -61,7 +62,7 @@ def test_a_killed_run_and_killed_ranks_resume_like_an_uninterrupted_run(straight
     command = ["train", *STRAIGHT, "--max-restarts", "1", "--out", str(tmp_path)]
     rng = random.Random(1)
     first = fullshard_cli(*command)
-    wait_for_step(first, tmp_path, 8)  # step 5's checkpoint is complete: a save ends before the next step
+    wait_for_checkpoint(first, tmp_path, 5)
     orphans = ranks_of(first.pid)
     assert first.poll() is None and orphans, "the run ended before it could be killed"
     os.kill(first.pid, signal.SIGKILL)  # the launcher alone (Note [orphans] in fullshard/cli/launcher.py)
@@ -71,14 +72,15 @@ def test_a_killed_run_and_killed_ranks_resume_like_an_uninterrupted_run(straight
     assert not any(alive(pid) for pid in orphans), "ranks outlived their launcher"
     first.communicate(timeout=RUN_TIMEOUT_S)
     again = fullshard_cli(*command)
-    wait_for_step(again, tmp_path, 16)  # after step 15's checkpoint, 14 steps before the end
+    wait_for_step(again, tmp_path, 16)  # 14 steps before the end
+    wait_for_checkpoint(again, tmp_path, 15)
     # the same command while this run lives: refused in this process before it starts ranks
     monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail("a second run started in a directory in use"))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the 2 ranks fit, as on the 2-core machine
     assert cli.main(command) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"is in use by another run (pid {again.pid} on " in err, err
-    time.sleep(rng.uniform(0.0, 0.3))  # a random moment: maybe mid-save
+    time.sleep(rng.uniform(0.0, 0.3))  # a random moment: maybe while a checkpoint writes in the background
     ranks = ranks_of(again.pid)
     assert again.poll() is None and ranks, "the run ended before a rank could be killed"
     os.kill(rng.choice(ranks), signal.SIGKILL)

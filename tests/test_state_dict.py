@@ -138,23 +138,33 @@ def read_job(path: str) -> dict:
     return {"meta": meta, "values": values}
 
 
-def save_steps_job(path: str, ready: str, first: int, last: int) -> None:
+def save_steps_job(path: str, ready: str, first: int, last: int, block: bool = True) -> None:
     """Save a checkpoint for each step from `first` to `last` of a model whose every parameter
-    equals the step; an empty file ready/rank<N> says the first is complete."""
+    equals the step; an empty file ready/rank<N> says the first is complete. In the background
+    (block=False) each save is followed by parameters of step + 0.5 while it writes: the
+    checkpoint must hold the step's values."""
     model = fullshard.shard_model(tiny_gpt())
     optimizer = torch.optim.AdamW(model.parameters())
     for step in range(first, last + 1):
         with torch.no_grad():
             for p in model.parameters():
                 p.to_local().fill_(float(step))
-        fullshard.save(path, model, optimizer, step=step, extra={"step": step})
+        handle = fullshard.save(path, model, optimizer, step=step, extra={"step": step}, block=block)
+        if not block:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().fill_(step + 0.5)
         if step == first:
+            if handle is not None:
+                handle.result()
             Path(ready, f"rank{dist.get_rank()}").touch()
 
 
-def test_a_killed_save_leaves_the_previous_checkpoint_readable(world1, world2, tmp_path):
-    """SIGKILL a rank at a random moment of a run of saves, several times; every time the
-    checkpoint at the path is a complete one whose parameters all equal its step."""
+@pytest.mark.parametrize("block", [True, False], ids=["blocking", "background"])
+def test_a_killed_save_leaves_the_previous_checkpoint_readable(world1, world2, tmp_path, block):
+    """SIGKILL a rank at a random moment of a run of saves, several times (in the background:
+    mostly while the thread writes, since the loop only stages); every time the checkpoint at
+    the path is a complete one whose parameters all equal its step."""
     path = str(tmp_path / "ckpt")
     (tmp_path / "ready0").mkdir()
     world2.run(save_steps_job, path=path, ready=str(tmp_path / "ready0"), first=0, last=0)
@@ -163,7 +173,8 @@ def test_a_killed_save_leaves_the_previous_checkpoint_readable(world1, world2, t
         for trial in range(1, 5):
             ready = tmp_path / f"ready{trial}"
             ready.mkdir()
-            savers.submit(save_steps_job, path=path, ready=str(ready), first=100 * trial, last=100 * trial + 1000)
+            savers.submit(save_steps_job, path=path, ready=str(ready), first=100 * trial, last=100 * trial + 1000,
+                          block=block)
             deadline = time.monotonic() + JOB_TIMEOUT_S
             while len(list(ready.iterdir())) < 2:
                 assert savers.results.empty(), "a rank failed before its first save"

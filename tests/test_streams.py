@@ -254,3 +254,27 @@ def test_the_model_offers_every_method_of_the_runtime():
         assert modelled is not None, f"StreamModel lacks Runtime.{name}"
         assert list(inspect.signature(modelled).parameters) == list(inspect.signature(method).parameters), name
     assert StreamModel.tracks and not Runtime.tracks
+
+
+def background_save_violations(path: str) -> dict[str, list[str]]:
+    """The stream order of a background save's staging copies (Note [background saves]): the
+    optimizer's writes to the shards before and after it stand for the steps around it, and
+    each of the two waits is dropped in turn."""
+    out = {}
+    for skipped in (None, ("stage", "compute"), ("compute", "stage")):
+        model_rt = StreamModel(skip_waits=(skipped,) if skipped else ())
+        with runtime.installed(model_rt), model_rt.tracking():
+            model = build("full_shard", "fp32", False, "prefetch")
+            shards = [shard for unit in units_under(model) for shard in unit.shards]
+            model_rt.writes(*shards)  # the step that produced them
+            fullshard.save(path, model, block=False).result()
+            model_rt.writes(*shards)  # the next step's optimizer
+        out["-waits-".join(skipped) if skipped else "all waits"] = model_rt.violations
+    return out
+
+
+def test_a_background_saves_copies_are_ordered_between_the_steps(world2, tmp_path):
+    for got in world2.run(background_save_violations, path=str(tmp_path / "ckpt")):
+        assert got["all waits"] == []
+        assert any(v.startswith("read on stage") for v in got["stage-waits-compute"]), got
+        assert any(v.startswith("write on compute") for v in got["compute-waits-stage"]), got

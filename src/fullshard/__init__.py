@@ -5,6 +5,7 @@ from fullshard.module import FSDPModule, UnshardHandle
 from fullshard.errors import FullShardError
 from fullshard.planner import Hardware, Plan, apply_plan, plan
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fullshard.background import SaveHandle
 from fullshard.checkpoint import checkpoint_dir, load, save
 from fullshard.dropin import replace_fsdp2
 from fullshard.export import export
@@ -22,6 +23,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "Plan",
+    "SaveHandle",
     "Stats",
     "UnshardHandle",
     "apply_plan",

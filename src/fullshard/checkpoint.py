@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -47,7 +48,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fullshard import dcp_format, manifest
+from fullshard import background, dcp_format, manifest, runtime
+from fullshard.background import SaveHandle
 from fullshard.collectives import all_gather_json
 from fullshard.errors import EveryRankError, FullShardError, fail, require
 from fullshard.files import Folder, Overdue, View, Writer
@@ -78,12 +80,13 @@ class Outcome:
 
 
 def agree(what: str, phase: str, timeout: timedelta, report: dict, *, nothing_changed: str,
-          fix: str | None = None) -> Outcome:
-    """Every rank's `report` for `phase`; a FullShardError on every rank when any reported an error
-    (its message, then `fix` when given) or one did not take part within `timeout`."""
+          fix: str | None = None, group: dist.ProcessGroup | None = None) -> Outcome:
+    """Every rank's `report` for `phase` (over `group`, else the checkpoints' timed group); a
+    FullShardError on every rank when any reported an error (its message, then `fix` when
+    given) or one did not take part within `timeout`."""
     try:
         outcome = Outcome(all_gather_json(report, device=torch.device("cpu"), timeout=timeout,
-                                          group=timed_group(timeout)))
+                                          group=group or timed_group(timeout)))
     except RuntimeError as e:  # CollectiveError, or a backend's error for a lost peer raised at the issue
         raise fail(f"rank {dist.get_rank()}: {what} did not finish {phase}: another rank did not take part within "
                    f"{timeout.total_seconds():g} s (it stopped, died or made another call; {str(e)[:200]}); "
@@ -114,7 +117,7 @@ def problem_of(error: Exception) -> str:
 
 @normal_tensors
 def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         step: int | None = None, extra: Any = None) -> None:
+         step: int | None = None, extra: Any = None, block: bool = True) -> SaveHandle | None:
     """Save a sharded checkpoint (every rank writes its shards), atomically.
 
     Loads at any world size and under any strategy, with fullshard or with
@@ -129,17 +132,27 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         step: the training step (a non-negative int), returned by ``load``.
         extra: JSON-serializable user metadata (numbers, strings, lists, dicts), returned
             by ``load``.
+        block: False: return once this rank's values are copied to host memory and write
+            them in the background (Note [background saves]); training may change the
+            model and optimizer meanwhile, the copy is what is saved.
+
+    Returns:
+        With ``block=False`` a handle whose ``result()`` waits for the write (the next save,
+        a load and the interpreter's exit wait for it too); else None.
 
     Raises:
         FullShardError: before anything is written, on bad arguments; on every rank, with the
             previous checkpoint kept, when any rank cannot write (a full or read-only disk)
-            or stops taking part.
+            or stops taking part (with ``block=False``: from ``result()`` or the next wait).
     """
     check_path(path, "save")
     check_optimizer(optimizer)
     require(step is None or type(step) is int and 0 <= step <= MAX_INT,
             f"save(step={step!r}) must be a non-negative int or None", "Pass step=1000.")
+    require(type(block) is bool, f"save(block={block!r}) must be True or False", "Pass block=False to write in "
+            "the background.")
     check_json(extra, f"extra={extra!r}"[:200])
+    background.wait_for_saves()  # one save at a time: the one in flight first (its failure raises here)
     model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
     flat, mapping = flatten_state_dict({"model": model_sd, "optim": optim_sd} if optimizer is not None
                                        else {"model": model_sd})
@@ -148,6 +161,45 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             check_json(value, f"the optimizer's {key[len('optim.'):]} ({type(value).__name__})")
     timeout = units_of(model, "save")[0].timeout
     path = Path(path)
+    what = f"the save to {path}"
+    optimizer_name = type(optimizer).__name__ if optimizer is not None else None
+    if block:
+        write_version(path, flat, mapping, optimizer_name, step, extra, timeout, timed_group(timeout))
+        return None
+    staged, event = stage(model, flat)
+    group = timed_group(timeout, "background save")  # made here: creating a group is collective
+    extra, rt = copy.deepcopy(extra), runtime.active
+
+    def write() -> None:
+        rt.sync_event(event, timeout=timeout, what=f"the copies to host memory of {what}")
+        rt.host_reads(*[value for value in staged.values() if isinstance(value, torch.Tensor)])
+        write_version(path, staged, mapping, optimizer_name, step, extra, timeout, group)
+
+    return background.start(what, timeout, write)
+
+
+def stage(model: nn.Module, flat: dict[str, Any]) -> tuple[dict[str, Any], object]:
+    """What a background save writes: this rank's parts of `flat` copied to the model's host
+    buffers (each DTensor's local part where this rank saves it, Note [checkpoint layout];
+    every plain tensor, since which rank writes one is agreed later; plain values as
+    copies), and the event of the copies."""
+    rank = dist.get_rank()
+    locals_ = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in flat.items()
+               if isinstance(value, torch.Tensor) and (not isinstance(value, DTensor) or saved_here(value, None, rank))}
+    buffers, event = background.staging_of(model).copy(locals_)
+    staged: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in buffers:
+            staged[key] = DTensor(buffers[key], value._spec, requires_grad=False) if isinstance(value, DTensor) \
+                else buffers[key]
+        elif not isinstance(value, torch.Tensor):
+            staged[key] = copy.deepcopy(value)
+    return staged, event
+
+
+def write_version(path: Path, flat: dict[str, Any], mapping: dict[str, tuple], optimizer_name: str | None,
+                  step: int | None, extra: Any, timeout: timedelta, group: dist.ProcessGroup) -> None:
+    """The phases of a save (Note [checkpoint phases]), each ending in an agreement on `group`."""
     what = f"the save to {path}"
     kept = f"the previous checkpoint at {path} is unchanged"
     rank = dist.get_rank()
@@ -161,7 +213,7 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     plain = sorted(key for key, value in flat.items() if not isinstance(value, DTensor))
     fix = f"Free space on, or give write access to, the checkpoint's disk, or save to another path; {kept}"
     start = agree(what, "creating its version directory", timeout, {"error": error, "token": token, "plain": plain},
-                  nothing_changed=kept, fix=fix)
+                  nothing_changed=kept, fix=fix, group=group)
     version = f"v-{start.reports[0]['token']}"
     owners: dict[str, int] = {}
     for r, report in reversed(list(enumerate(start.reports))):
@@ -174,7 +226,8 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     except Exception as e:  # every rank learns of it at the agreement, none waits for this one in vain
         error = f"{what} could not write this rank's shards ({problem_of(e)})"
     try:
-        wrote = agree(what, "writing the shards", timeout, {"error": error, **written}, nothing_changed=kept, fix=fix)
+        wrote = agree(what, "writing the shards", timeout, {"error": error, **written}, nothing_changed=kept, fix=fix,
+                      group=group)
     except FullShardError:
         abandon(path, version, rank)
         raise
@@ -182,12 +235,13 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     error = None
     if rank == 0:
         try:
-            commit(path, version, wrote.reports, optimizer, step, extra)
+            commit(path, version, wrote.reports, optimizer_name, step, extra)
         except Exception as e:
             error = f"{what} could not write its metadata or switch LATEST ({problem_of(e)})"
             if latest_of(path) != version:
                 abandon(path, version, rank)
-    agree(what, "switching LATEST to the new version", timeout, {"error": error}, nothing_changed=kept, fix=fix)
+    agree(what, "switching LATEST to the new version", timeout, {"error": error}, nothing_changed=kept, fix=fix,
+          group=group)
 
 
 def check_json(value: Any, what: str) -> None:
@@ -260,14 +314,22 @@ def write_records(folder: Folder, flat: dict[str, Any], mapping: dict[str, tuple
     file = f"__{rank}_0.distcp"
     tensors: dict[str, dict] = {}
     values: dict[str, list] = {}
+    layouts: dict[tuple, tuple[int, manifest.Layout]] = {}  # torch.save lays out alike tensors alike
     with folder.create(file) as out:
         for key, value in mine:
             begin = out.tell()
             if isinstance(value, torch.Tensor):
                 local, offsets, sizes = piece(value)
-                save_record(local.detach().cpu(), out)
-                layout = dcp_format.record_layout(View(out.fd, begin, out.tell() - begin, math.inf), local.dtype,
-                                                  sizes)
+                local = local.detach().cpu()
+                save_record(local, out)
+                alike = (local.dtype, tuple(local.shape), local.stride(), local.storage_offset(),
+                         local.untyped_storage().nbytes())
+                length, layout = layouts.get(alike, (None, None))
+                if length != out.tell() - begin:  # the first of its kind: read where torch.save put the values
+                    out.flush()
+                    layout = dcp_format.record_layout(View(out.fd, begin, out.tell() - begin, math.inf),
+                                                      local.dtype, sizes)
+                    layouts[alike] = (out.tell() - begin, layout)
                 tensors[key] = {"dtype": manifest.dtype_name(value.dtype), "shape": list(value.shape),
                                 "chunk": [list(offsets), list(sizes), begin, out.tell() - begin, layout.data_offset,
                                           layout.storage_numel, layout.storage_offset, list(layout.stride)]}
@@ -291,11 +353,10 @@ def save_record(value: Any, out: Writer) -> None:
     raise out.failure  # outside the except: no context holding torch.save's frames
 
 
-def commit(path: Path, version: str, reports: list[dict], optimizer: torch.optim.Optimizer | None,
-           step: int | None, extra: Any) -> None:
+def commit(path: Path, version: str, reports: list[dict], optimizer_name: str | None, step: int | None,
+           extra: Any) -> None:
     """Rank 0: the manifest and DCP's metadata from every rank's records, COMPLETE, then LATEST."""
-    contents = Contents(step=step, extra=extra, fullshard=True,
-                        optimizer=type(optimizer).__name__ if optimizer is not None else None)
+    contents = Contents(step=step, extra=extra, fullshard=True, optimizer=optimizer_name)
     kinds: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     chunks: dict[str, list[Chunk]] = {}
     paths: dict[str, tuple] = {}
@@ -419,6 +480,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     """
     check_path(path, "load")
     check_optimizer(optimizer)
+    background.wait_for_saves()  # a save in flight (to this path or not) ends first
     units = units_of(model, "load")
     reshard_all(model)  # refuses a pending unshard before anything is read
     timeout = units[0].timeout

@@ -158,12 +158,17 @@ class Folder:
 
 class Writer(io.RawIOBase):
     """A new file being written (Folder.create): CRC-32 and size of what went in, and its own
-    positional reads (for a header just written)."""
+    positional reads (for a header just written). Small writes (torch.save's headers) are
+    gathered into one system call, so a background save holds the interpreter's lock less."""
+
+    SMALL = 1 << 16  # writes below this are gathered
+    GATHERED = 1 << 20  # and written once this much is gathered
 
     def __init__(self, folder: Folder, entry: str, temp: str, fd: int) -> None:
         super().__init__()
         self.folder, self.entry, self.temp, self.fd = folder, entry, temp, fd
         self.crc, self.size, self.committed = 0, 0, False
+        self.gathered = bytearray()
         self.failure: OSError | None = None  # the first write that failed (torch.save reports it as its own error)
 
     def writable(self) -> bool:
@@ -171,6 +176,24 @@ class Writer(io.RawIOBase):
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        if len(view) < self.SMALL:
+            self.gathered += view
+            if len(self.gathered) >= self.GATHERED:
+                self.flush()
+        else:
+            self.flush()
+            self.write_all(view)
+        return len(view)
+
+    def flush(self) -> None:
+        """Write what was gathered (before the file is read back or committed)."""
+        if self.gathered:
+            self.write_all(memoryview(self.gathered))
+            self.gathered = bytearray()
+
+    def write_all(self, view: memoryview) -> None:
         written = 0
         try:
             while written < len(view):
@@ -179,18 +202,17 @@ class Writer(io.RawIOBase):
             # a traceback through its frames would make a cycle gc cannot see, keeping the tensors alive
             self.failure = self.failure or OSError(e.errno, e.strerror, e.filename)
             raise
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += len(view)
-        return len(view)
 
     def tell(self) -> int:
         return self.size
 
     def read_at(self, offset: int, length: int) -> bytes:
+        self.flush()
         return read_at(self.fd, offset, length, float("inf"))
 
     def commit(self) -> None:
         """Flush to disk and rename into place."""
+        self.flush()
         os.fsync(self.fd)
         os.replace(self.temp, self.entry, src_dir_fd=self.folder.fd, dst_dir_fd=self.folder.fd)
         self.folder.sync()
@@ -198,6 +220,7 @@ class Writer(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
+            self.gathered = bytearray()  # a file not committed is removed: nothing more to write
             os.close(self.fd)
             if not self.committed:
                 try:

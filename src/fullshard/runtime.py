@@ -274,6 +274,13 @@ class Runtime:
         host.copy_(tensor, non_blocking=pin)
         return host
 
+    def host_buffer(self, shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+        """A new tensor in host memory (pinned: a GPU copies into it asynchronously)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+    def host_reads(self, *tensors: torch.Tensor) -> None:
+        """The host reads these host buffers now (after waiting for the event of their copies)."""
+
     def host_waits(self, device: torch.device, *, timeout: timedelta, what: str) -> None:
         """The host waits for everything issued so far on the current stream (a host sync),
         up to `timeout` (see `sync_event`)."""

@@ -78,6 +78,8 @@ class TrainConfig:
     seed: int = opt(0, "seed for initialization and data order")
     out: str = opt("runs/gpt", "directory for metrics.jsonl, loss.png and checkpoint/ (one live run at a time)")
     ckpt_interval: int = opt(200, "save a checkpoint every this many steps (0: only at the end)")
+    background_saves: bool = opt(True, "write each checkpoint in a thread while training goes on; "
+                                       "--no-background-saves: training waits until it is on disk")
     resume: bool = opt(True, "continue from the newest complete checkpoint in <out>/checkpoint")
     eval_interval: int = opt(100, "validation loss every this many steps (and after the last)")
     eval_batches: int = opt(8, "batches per validation")

@@ -75,16 +75,17 @@ def summary(steps: int, rows: list[dict], out: Path) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """Training and validation loss, and each rank's peak memory, over steps. A run resumed
-    at another world size has rows with more or fewer ranks: each rank's curve covers the
-    steps it ran."""
+def plot(rows: list[dict], path: Path, saves: list[int] = ()) -> None:
+    """Training and validation loss, each rank's peak memory, and the wall time of each step
+    (since the step before, so a checkpoint's stall shows at the step after `saves`). A run
+    resumed at another world size has rows with more or fewer ranks: each rank's curve
+    covers the steps it ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (losses, memory) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (losses, memory, times) = plt.subplots(1, 3, figsize=(16, 4))
     train_rows = [r for r in rows if "loss" in r]
     losses.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="training", linewidth=0.8)
     val_rows = [r for r in rows if "val_loss" in r]
@@ -96,6 +97,12 @@ def plot(rows: list[dict], path: Path) -> None:
         memory.plot([r["step"] for r in ran], [r["peak_mem_mb"][rank] for r in ran], label=f"rank {rank}")
     memory.set(xlabel="step", ylabel="MB", title="peak memory per rank")
     memory.legend()
+    timed = [r for r in train_rows if "step_s" in r]
+    times.plot([r["step"] for r in timed], [r["step_s"] for r in timed], linewidth=0.8, label="step")
+    for i, step in enumerate(saves):
+        times.axvline(step + 1, color="gray", linestyle=":", linewidth=0.8, label="after a checkpoint" if i == 0 else None)
+    times.set(xlabel="step", ylabel="seconds", title="wall time per step (validation steps included)")
+    times.legend()
     fig.tight_layout()
     image = io.BytesIO()
     fig.savefig(image, format="png", dpi=100)

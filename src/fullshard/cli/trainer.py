@@ -200,15 +200,22 @@ def train_loop(run: Run, start: int, log: TextIO | None, ckpt: Path) -> None:
     if start == 0:
         write_row(log, progress, {"step": 0, "val_loss": evaluate(run)})
     comm_stats = fullshard.stats(run.model)
+    saving = None  # the checkpoint writing in the background
+    last = time.perf_counter()
     for step in range(start, cfg.steps):
         record = train_step(run, step, comm_stats)
         done = step + 1
         if done % cfg.eval_interval == 0 or done == cfg.steps:
             record["val_loss"] = evaluate(run)
+        now = time.perf_counter()
+        record["step_s"] = round(now - last, 4)  # since the previous row: a save's stall shows in the next step
         write_row(log, progress, record)
         if (cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps:
-            fullshard.save(ckpt, run.model, run.optimizer, step=done,
-                           extra={"preset": cfg.preset, "dims": gpt_dims(cfg)})
+            saving = fullshard.save(ckpt, run.model, run.optimizer, step=done, block=not cfg.background_saves,
+                                    extra={"preset": cfg.preset, "dims": gpt_dims(cfg)})
+        last = now
+    if saving is not None:
+        saving.result()  # the last checkpoint is on disk before the run ends
     if progress is not None:
         progress.close()
 
@@ -305,7 +312,8 @@ def report(cfg: TrainConfig, out: Path, text: str) -> None:
     """Rank 0, at the end: the sample, loss.png and the summary table."""
     rows = read_rows(out / "metrics.jsonl")
     print(f"\nsample:\n{text}\n", flush=True)
-    plot(rows, out / "loss.png")
+    saves = [r["step"] for r in rows if "loss" in r and cfg.ckpt_interval and r["step"] % cfg.ckpt_interval == 0]
+    plot(rows, out / "loss.png", saves)
     print(summary(cfg.steps, rows, out), flush=True)
 
 

@@ -327,6 +327,14 @@ class StreamModel:
     def to_host(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
         return tensor if self.buffer(tensor).host else self.copied(tensor, host=True)
 
+    def host_buffer(self, shape: torch.Size, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype)
+        self.mark_host(buffer)
+        return buffer
+
+    def host_reads(self, *tensors: torch.Tensor) -> None:
+        self.access(self.host, list(tensors), "read")
+
     def host_waits(self, device: torch.device, *, timeout: timedelta, what: str) -> None:
         self.host_syncs += 1
         self.sync_sites[f"host_waits at {caller_site()}"] += 1

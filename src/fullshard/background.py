@@ -1,0 +1,145 @@
+"""Saves that do not stop training: a copy of this rank's part of the state into reusable
+host buffers, then the checkpoint written by a thread of its own (Note [background saves]).
+
+# Note [background saves]: save(block=False) returns once the values it saves are copied
+# into host buffers (pinned when they come from a GPU). On a GPU the copies run on a
+# "stage" stream that waits for the compute stream (so they read what the last step
+# wrote), and the compute stream waits for them in turn (so the next step's optimizer
+# cannot overwrite a shard being copied); the thread waits for their event before it
+# reads a buffer. The thread then runs every phase of a blocking save (checkpoint.py:
+# write this rank's records, agree, rank 0 commits and switches LATEST, agree) on a gloo
+# group used by nothing else, so its collectives never meet training's. LATEST switches
+# only when every rank's part is on disk; a failure anywhere leaves the previous version
+# as LATEST, exactly as a blocking save does. One save is in flight per process: the
+# next save, a load and the interpreter's exit wait for it first, and a failure it had
+# is raised there (or by handle.result()) as the FullShardError a blocking save would
+# have raised. The buffers stay with the model for the next save: the host memory this
+# costs is the bytes this rank saves (its shards and their optimizer state), once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import weakref
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from fullshard import runtime
+from fullshard.errors import FullShardError, fail
+
+
+class SaveHandle:
+    """A save writing in the background; `result()` waits for it and raises what it failed with."""
+
+    def __init__(self, what: str, timeout: timedelta, write: Callable[[], None]) -> None:
+        self.what = what
+        self.timeout = timeout
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(write,), name="fullshard save", daemon=True)
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as e:  # raised in the caller's thread by result(); a FullShardError says all,
+            self.error = e.with_traceback(None) if isinstance(e, FullShardError) else e  # and frees the frames
+
+    def done(self) -> bool:
+        """Whether the write has ended (successfully or not)."""
+        return not self.thread.is_alive()
+
+    def result(self) -> None:
+        """Wait for the write, up to the model's timeout for each of its three phases; raise
+        the FullShardError it failed with (the previous checkpoint is then still LATEST)."""
+        self.thread.join(3 * self.timeout.total_seconds())
+        if self.thread.is_alive():
+            raise fail(f"{self.what} is still writing in the background after {3 * self.timeout.total_seconds():g} s "
+                       f"(3 x the model's timeout)", "A disk this slow needs a longer set_timeout; the previous "
+                       "checkpoint stays LATEST until this one completes.")
+        _in_flight.discard(self)
+        if self.error is not None:
+            if isinstance(self.error, FullShardError):
+                raise self.error
+            raise fail(f"{self.what} failed in the background ({type(self.error).__name__}: {self.error})",
+                       "The previous checkpoint is still LATEST; save again.") from self.error
+
+
+_in_flight: set[SaveHandle] = set()  # started and not yet waited for (at most one: each save waits first)
+
+
+def wait_for_saves() -> None:
+    """Wait for the save in flight, if any, raising its failure (before the next save or a load)."""
+    for handle in list(_in_flight):
+        handle.result()
+
+
+def start(what: str, timeout: timedelta, write: Callable[[], None]) -> SaveHandle:
+    """Run `write` (the phases of a save, over staged values) in a thread of its own."""
+    global _exit_registered
+    if not _exit_registered:  # after mesh.py's release of the process groups, so it runs before that
+        atexit.register(_wait_at_exit)
+        _exit_registered = True
+    handle = SaveHandle(what, timeout, write)
+    _in_flight.add(handle)
+    handle.thread.start()
+    return handle
+
+
+_exit_registered = False
+
+
+def _wait_at_exit() -> None:
+    """A script may end right after save(block=False): its checkpoint is written first."""
+    for handle in list(_in_flight):
+        try:
+            handle.result()
+        except FullShardError as e:
+            print(f"fullshard: {e}", file=sys.stderr)
+
+
+# ---- staging copies -----------------------------------------------------------------------------
+
+
+class Staging:
+    """A model's host buffers, one per saved value, reused from save to save."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, values: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object]:
+        """Start copying `values` (this rank's tensors, by key) into host buffers; the buffers
+        and the event the writer waits for before reading them."""
+        rt = runtime.active
+        out: dict[str, torch.Tensor] = {}
+        devices = {value.device for value in values.values()}
+        device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+        stream = rt.side_stream(device, "stage")
+        compute = rt.current_stream(device)
+        rt.wait_stream(stream, compute)  # after the step that wrote them
+        with rt.use(stream):
+            for key, value in values.items():
+                buffer = self.buffers.get(key)
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = self.buffers[key] = rt.host_buffer(value.shape, value.dtype, pin=value.device.type == "cuda")
+                rt.copy_(buffer, value.detach())
+                out[key] = buffer
+        event = rt.record_event(stream)
+        rt.wait_stream(compute, stream)  # the next step writes the shards only after they are copied
+        for key in set(self.buffers) - set(values):  # a value no longer saved
+            del self.buffers[key]
+        return out, event
+
+    def bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+_staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Staging
+
+
+def staging_of(model: torch.nn.Module) -> Staging:
+    if model not in _staging:
+        _staging[model] = Staging()
+    return _staging[model]
