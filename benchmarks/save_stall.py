@@ -6,7 +6,9 @@
 Both models are the benchmark GPT (fullshard bench's presets, 100m unless told), a unit per
 block and the root, AdamW, fp32, with every optimizer state present. Each measure trains 4
 steps, saves, and trains on until the save has finished and one step more; the ways are
-alternated round by round (A B C A B C ...). The stall of a save is the wall time its steps
+alternated round by round (A B C A B C ...); each way saves to one path, replacing its last
+checkpoint every round (fullshard switches LATEST and removes the old version, DCP
+overwrites its files). The stall of a save is the wall time its steps
 took beyond as many steps of the median step before it: the call itself, plus the slowdown
 of the steps that ran while the background write competed for the cores. Also printed: the
 call's own time (the staging copy, for the background saves), the seconds until the
@@ -93,6 +95,8 @@ def save(way: str, path: Path):
 
 
 def measure(way: str, index: int) -> tuple[float, ...]:
+    """One save of `way` to its own path (the same every round: each save replaces the last,
+    as a run that keeps one checkpoint does)."""
     model = theirs if way.startswith("FSDP2") else ours
     before = [train_step(model) for _ in range(4)]
     dist.barrier()
@@ -118,7 +122,7 @@ def measure(way: str, index: int) -> tuple[float, ...]:
 results = {way: [] for way in WAYS}
 for r in range(rounds):
     for i, way in enumerate(WAYS):
-        results[way].append(measure(way, r * len(WAYS) + i))
+        results[way].append(measure(way, i))
 if rank == 0:
     shard = sum(p.to_local().numel() * 4 for p in ours.parameters())
     print(f"{preset}, world {world}, AdamW fp32: this rank's shards {shard / 2**20:.0f} MB + optimizer state "

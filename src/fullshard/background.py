@@ -15,6 +15,10 @@ host buffers, then the checkpoint written by a thread of its own (Note [backgrou
 # is raised there (or by handle.result()) as the FullShardError a blocking save would
 # have raised. The buffers stay with the model for the next save: the host memory this
 # costs is the bytes this rank saves (its shards and their optimizer state), once.
+# Whatever CPU time the write takes comes out of training where the host cores are busy
+# (CPU training), so the writer keeps it small: small writes are gathered, and every 64
+# MiB the file is synced and its pages handed back to the kernel (files.Writer.settle),
+# so a save writes into pages just freed rather than into memory not touched yet.
 """
 
 from __future__ import annotations
