@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from tests.world import free_port, rank_env
 
@@ -79,12 +80,16 @@ def metrics(out: Path) -> list[dict]:
 
 def wait_for_step(run: subprocess.Popen, out: Path, step: int) -> None:
     """Return once the run has logged `step`, or has ended."""
-    log = out / "metrics.jsonl"
+    wait_until(run, lambda: logged_step(out / "metrics.jsonl") >= step, f"step {step} logged")
+
+
+def wait_until(run: subprocess.Popen, reached: Callable[[], bool], what: str) -> None:
+    """Poll until `reached()` or the run has ended; a run past RUN_TIMEOUT_S is killed."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while run.poll() is None and logged_step(log) < step:
+    while run.poll() is None and not reached():
         if time.monotonic() > deadline:
             kill_all(run.pid)
-            raise AssertionError(f"step {step} not logged in {RUN_TIMEOUT_S} s")
+            raise AssertionError(f"no {what} in {RUN_TIMEOUT_S} s")
         time.sleep(0.02)
 
 
@@ -107,12 +112,7 @@ def wait_for_checkpoint(run: subprocess.Popen, out: Path, step: int) -> None:
     """Return once out/checkpoint's LATEST names a checkpoint of `step` or later (saves are
     written in the background, so a logged step does not mean its checkpoint is complete), or
     the run has ended."""
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while run.poll() is None and checkpointed_step(out / "checkpoint") < step:
-        if time.monotonic() > deadline:
-            kill_all(run.pid)
-            raise AssertionError(f"no checkpoint of step {step} in {RUN_TIMEOUT_S} s")
-        time.sleep(0.02)
+    wait_until(run, lambda: checkpointed_step(out / "checkpoint") >= step, f"checkpoint of step {step}")
 
 
 def checkpointed_step(ckpt: Path) -> int:

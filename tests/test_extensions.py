@@ -12,7 +12,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.testing._internal.two_tensor import TwoTensor
 
 import fullshard
-from tests.reference import FSDP2_ON_CPU
+from tests.reference import FSDP2_RUNS_ON_CPU
 
 
 class HalfOnWire(TwoTensor):
@@ -77,7 +77,7 @@ def half_on_wire_job() -> dict:
         gather_bytes = stats.gather_bytes
     out = {"losses": ours["losses"], "weight sums": [w.double().sum().item() for w in ours["weights"]],
            "gather bytes": gather_bytes}
-    if FSDP2_ON_CPU:
+    if FSDP2_RUNS_ON_CPU:
         from torch.distributed.fsdp import fully_shard
 
         theirs = train(fully_shard)
@@ -87,7 +87,7 @@ def half_on_wire_job() -> dict:
 
 
 def test_a_subclass_that_gathers_bf16_trains_as_on_fsdp2(world2):
-    if not FSDP2_ON_CPU:
+    if not FSDP2_RUNS_ON_CPU:
         pytest.skip("torch's FSDP2 runs on the CPU from torch 2.7 on")
     got = world2.run(half_on_wire_job)
     assert got[0]["weight sums"] == got[1]["weight sums"]  # every rank the same model
@@ -133,7 +133,7 @@ def test_torchao_float8_training_gathers_float8_and_matches_fsdp2(world2):
         import torchao.float8  # noqa: F401
     except Exception as e:  # a torchao built for another torch fails in its own ways
         pytest.skip(f"torchao's float8 training does not import here ({type(e).__name__}: {e})"[:200])
-    if not FSDP2_ON_CPU:
+    if not FSDP2_RUNS_ON_CPU:
         pytest.skip("torch's FSDP2 runs on the CPU from torch 2.7 on")
     got = world2.run(float8_job)
     assert all(g["same as FSDP2"] for g in got), got

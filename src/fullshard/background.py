@@ -7,8 +7,9 @@ host buffers, then the checkpoint written by a thread of its own (Note [backgrou
 # wrote), and the compute stream waits for them in turn (so the next step's optimizer
 # cannot overwrite a shard being copied); the thread waits for their event before it
 # reads a buffer. The thread then runs every phase of a blocking save (checkpoint.py:
-# write this rank's records, agree, rank 0 commits and switches LATEST, agree) on a gloo
-# group used by nothing else, so its collectives never meet training's. LATEST switches
+# write this rank's records, agree, rank 0 commits and switches LATEST, agree) on the
+# checkpoints' gloo group, which training never uses and which no save or load uses
+# meanwhile (each waits for the save in flight first). LATEST switches
 # only when every rank's part is on disk; a failure anywhere leaves the previous version
 # as LATEST, exactly as a blocking save does. One save is in flight per process: the
 # next save, a load and the interpreter's exit wait for it first, and a failure it had

@@ -167,7 +167,8 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         write_version(path, flat, mapping, optimizer_name, step, extra, timeout, timed_group(timeout))
         return None
     staged, event = stage(model, flat)
-    group = timed_group(timeout, "background save")  # made here: creating a group is collective
+    group = timed_group(timeout)  # made here if new (creating a group is collective); no other thread uses it
+    # while the write runs: every save and load waits for the save in flight first
     extra, rt = copy.deepcopy(extra), runtime.active
 
     def write() -> None:

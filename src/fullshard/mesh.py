@@ -54,22 +54,21 @@ class ShardGroup:
 
 
 _subgroups: dict[tuple[tuple[int, ...], ...], dict[int, dist.ProcessGroup]] = {}
-_timed_groups: dict[tuple[timedelta, str], dist.ProcessGroup] = {}
+_timed_groups: dict[timedelta, dist.ProcessGroup] = {}
 
 
-def timed_group(timeout: timedelta, purpose: str = "") -> dist.ProcessGroup:
+def timed_group(timeout: timedelta) -> dist.ProcessGroup:
     """A gloo group of every rank whose collectives give up after `timeout`, for the
-    collectives of code we call but do not write (torch.distributed.checkpoint's) and of
-    checkpoints: made once per timeout and `purpose` (a background save's has its own, Note
-    [background saves]), by every rank (creating it is itself collective)."""
-    if (timeout, purpose) not in _timed_groups:
+    collectives of code we call but do not write (torch.distributed.checkpoint's): made
+    once per timeout, by every rank (creating it is itself collective)."""
+    if timeout not in _timed_groups:
         try:
-            _timed_groups[(timeout, purpose)] = dist.new_group(backend="gloo", timeout=timeout)
+            _timed_groups[timeout] = dist.new_group(backend="gloo", timeout=timeout)
         except RuntimeError as e:  # the store's wait for the other ranks timed out
             raise collective_failed("creating a process group", e, "Every rank must make the same call (a save, "
                                     "load or state dict); another rank did not, or died. Restart the job.",
                                     timeout) from None
-    return _timed_groups[(timeout, purpose)]
+    return _timed_groups[timeout]
 
 
 def _release_groups() -> None:
