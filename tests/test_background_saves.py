@@ -45,6 +45,10 @@ def save_then_train_job(path: str) -> dict:
         last = fullshard.save(path, model, opt, step=step, block=False)
     out["last"] = fullshard.load(path, fresh, fresh_opt)["step"]  # waits for step 4's
     out["last done"] = last.done()
+    # an export agrees over the checkpoints' group too: it waits for the save in flight
+    writing = fullshard.save(path, model, opt, step=5, block=False)
+    fullshard.export(model, Path(path).parent / "model.safetensors")
+    out["exported after the save"] = writing.done() and (Path(path).parent / "model.safetensors").is_file()
     out["bad block"] = raises(lambda: fullshard.save(path, model, opt, step=5, block="no"))
     return out
 
@@ -55,7 +59,7 @@ def test_a_background_save_saves_the_state_at_the_call(world2, tmp_path):
         assert got["params"] == 0.0 and got["optim"] == 0.0, got  # bitwise the state at the save
         assert got["moved on"] > 0.0  # training did change the model while the save wrote
         assert got["resumed"] == 0.0
-        assert got["last"] == 4 and got["last done"]
+        assert got["last"] == 4 and got["last done"] and got["exported after the save"]
         assert "save(block='no') must be True or False" in got["bad block"], got["bad block"]
 
 

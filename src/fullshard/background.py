@@ -28,7 +28,6 @@ import atexit
 import sys
 import threading
 import weakref
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -40,9 +39,8 @@ from fullshard.errors import FullShardError, fail
 class SaveHandle:
     """A save writing in the background; `result()` waits for it and raises what it failed with."""
 
-    def __init__(self, what: str, timeout: timedelta, write: Callable[[], None]) -> None:
+    def __init__(self, what: str, write: Callable[[], None]) -> None:
         self.what = what
-        self.timeout = timeout
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(write,), name="fullshard save", daemon=True)
 
@@ -57,13 +55,12 @@ class SaveHandle:
         return not self.thread.is_alive()
 
     def result(self) -> None:
-        """Wait for the write, up to the model's timeout for each of its three phases; raise
-        the FullShardError it failed with (the previous checkpoint is then still LATEST)."""
-        self.thread.join(3 * self.timeout.total_seconds())
-        if self.thread.is_alive():
-            raise fail(f"{self.what} is still writing in the background after {3 * self.timeout.total_seconds():g} s "
-                       f"(3 x the model's timeout)", "A disk this slow needs a longer set_timeout; the previous "
-                       "checkpoint stays LATEST until this one completes.")
+        """Wait for the write and raise the FullShardError it failed with (the previous
+        checkpoint is then still LATEST). No deadline of its own, as a blocking save has none:
+        each phase's agreement gives up after the model's timeout, and the writing itself
+        takes what the disk takes (a deadline here would let ranks go on while their writes
+        still use the checkpoints' group)."""
+        self.thread.join()
         _in_flight.discard(self)
         if self.error is not None:
             if isinstance(self.error, FullShardError):
@@ -81,13 +78,13 @@ def wait_for_saves() -> None:
         handle.result()
 
 
-def start(what: str, timeout: timedelta, write: Callable[[], None]) -> SaveHandle:
+def start(what: str, write: Callable[[], None]) -> SaveHandle:
     """Run `write` (the phases of a save, over staged values) in a thread of its own."""
     global _exit_registered
     if not _exit_registered:  # after mesh.py's release of the process groups, so it runs before that
         atexit.register(_wait_at_exit)
         _exit_registered = True
-    handle = SaveHandle(what, timeout, write)
+    handle = SaveHandle(what, write)
     _in_flight.add(handle)
     handle.thread.start()
     return handle

@@ -81,12 +81,15 @@ class Outcome:
 
 def agree(what: str, phase: str, timeout: timedelta, report: dict, *, nothing_changed: str,
           fix: str | None = None, group: dist.ProcessGroup | None = None) -> Outcome:
-    """Every rank's `report` for `phase` (over `group`, else the checkpoints' timed group); a
-    FullShardError on every rank when any reported an error (its message, then `fix` when
-    given) or one did not take part within `timeout`."""
+    """Every rank's `report` for `phase` (over `group`: a background save's, else the
+    checkpoints' timed group, once the save in flight on it has finished); a FullShardError
+    on every rank when any reported an error (its message, then `fix` when given) or one did
+    not take part within `timeout`."""
+    if group is None:  # the group the background save uses: never two threads on it at once
+        background.wait_for_saves()
+        group = timed_group(timeout)
     try:
-        outcome = Outcome(all_gather_json(report, device=torch.device("cpu"), timeout=timeout,
-                                          group=group or timed_group(timeout)))
+        outcome = Outcome(all_gather_json(report, device=torch.device("cpu"), timeout=timeout, group=group))
     except RuntimeError as e:  # CollectiveError, or a backend's error for a lost peer raised at the issue
         raise fail(f"rank {dist.get_rank()}: {what} did not finish {phase}: another rank did not take part within "
                    f"{timeout.total_seconds():g} s (it stopped, died or made another call; {str(e)[:200]}); "
@@ -168,15 +171,18 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         return None
     staged, event = stage(model, flat)
     group = timed_group(timeout)  # made here if new (creating a group is collective); no other thread uses it
-    # while the write runs: every save and load waits for the save in flight first
+    # while the write runs: every other agreement (save, load, export) waits for the save in flight first
+    device = units_of(model, "save")[0].compute_device
     extra, rt = copy.deepcopy(extra), runtime.active
 
     def write() -> None:
+        if device.type == "cuda":  # a new thread's current GPU is 0: polling the event there makes a context on it
+            torch.cuda.set_device(device)
         rt.sync_event(event, timeout=timeout, what=f"the copies to host memory of {what}")
         rt.host_reads(*[value for value in staged.values() if isinstance(value, torch.Tensor)])
         write_version(path, staged, mapping, optimizer_name, step, extra, timeout, group)
 
-    return background.start(what, timeout, write)
+    return background.start(what, write)
 
 
 def stage(model: nn.Module, flat: dict[str, Any]) -> tuple[dict[str, Any], object]:

@@ -197,7 +197,11 @@ class Writer(io.RawIOBase):
         touched yet) keeps the kernel's share of a save's CPU time small, which a background
         save takes from training (Note [background saves])."""
         self.flush()
-        os.fdatasync(self.fd)
+        try:
+            os.fdatasync(self.fd)  # a full disk or quota may first show here (network filesystems)
+        except OSError as e:
+            self.failure = self.failure or OSError(e.errno, e.strerror, e.filename)
+            raise
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, self.settled, self.size - self.settled, os.POSIX_FADV_DONTNEED)
         self.settled = self.size
