@@ -12,7 +12,7 @@ host buffers, then the checkpoint written by a thread of its own (Note [backgrou
 # meanwhile (each waits for the save in flight first). LATEST switches
 # only when every rank's part is on disk; a failure anywhere leaves the previous version
 # as LATEST, exactly as a blocking save does. One save is in flight per process: the
-# next save, a load and the interpreter's exit wait for it first, and a failure it had
+# next save, a load, an export and the interpreter's exit wait for it first, and a failure it had
 # is raised there (or by handle.result()) as the FullShardError a blocking save would
 # have raised. The buffers stay with the model for the next save: the host memory this
 # costs is the bytes this rank saves (its shards and their optimizer state), once.

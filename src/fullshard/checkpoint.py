@@ -141,7 +141,7 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
     Returns:
         With ``block=False`` a handle whose ``result()`` waits for the write (the next save,
-        a load and the interpreter's exit wait for it too); else None.
+        a load, an export and the interpreter's exit wait for it too); else None.
 
     Raises:
         FullShardError: before anything is written, on bad arguments; on every rank, with the
