@@ -28,6 +28,7 @@ import atexit
 import sys
 import threading
 import weakref
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -105,15 +106,27 @@ def _wait_at_exit() -> None:
 # ---- staging copies -----------------------------------------------------------------------------
 
 
+class Staged:
+    """Copies to host buffers in flight (by key); `wait` is the writer's, before it reads them."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], event: object, device: torch.device) -> None:
+        self.buffers, self.event, self.device, self.rt = buffers, event, device, runtime.active
+
+    def wait(self, timeout: timedelta, what: str) -> None:
+        if self.device.type == "cuda":  # a new thread's current GPU is 0: polling the event there makes a context
+            torch.cuda.set_device(self.device)
+        self.rt.sync_event(self.event, timeout=timeout, what=what)
+        self.rt.host_reads(*self.buffers.values())
+
+
 class Staging:
     """A model's host buffers, one per saved value, reused from save to save."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def copy(self, values: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object]:
-        """Start copying `values` (this rank's tensors, by key) into host buffers; the buffers
-        and the event the writer waits for before reading them."""
+    def copy(self, values: dict[str, torch.Tensor]) -> Staged:
+        """Start copying `values` (this rank's tensors, by key) into host buffers."""
         rt = runtime.active
         out: dict[str, torch.Tensor] = {}
         devices = {value.device for value in values.values()}
@@ -132,7 +145,7 @@ class Staging:
         rt.wait_stream(compute, stream)  # the next step writes the shards only after they are copied
         for key in set(self.buffers) - set(values):  # a value no longer saved
             del self.buffers[key]
-        return out, event
+        return Staged(out, event, device)
 
     def bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())

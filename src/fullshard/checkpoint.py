@@ -48,7 +48,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fullshard import background, dcp_format, manifest, runtime
+from fullshard import background, dcp_format, manifest
 from fullshard.background import SaveHandle
 from fullshard.collectives import all_gather_json
 from fullshard.errors import EveryRankError, FullShardError, fail, require
@@ -164,36 +164,31 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
             check_json(value, f"the optimizer's {key[len('optim.'):]} ({type(value).__name__})")
     timeout = units_of(model, "save")[0].timeout
     path = Path(path)
-    what = f"the save to {path}"
     optimizer_name = type(optimizer).__name__ if optimizer is not None else None
+    group = timed_group(timeout)  # made here if new: creating a group is collective
     if block:
-        write_version(path, flat, mapping, optimizer_name, step, extra, timeout, timed_group(timeout))
+        write_version(path, flat, mapping, optimizer_name, step, extra, timeout, group)
         return None
-    staged, event = stage(model, flat)
-    group = timed_group(timeout)  # made here if new (creating a group is collective); no other thread uses it
-    # while the write runs: every other agreement (save, load, export) waits for the save in flight first
-    device = units_of(model, "save")[0].compute_device
-    extra, rt = copy.deepcopy(extra), runtime.active
+    staged, copies = stage(model, flat)
+    extra, what = copy.deepcopy(extra), f"the save to {path}"
 
-    def write() -> None:
-        if device.type == "cuda":  # a new thread's current GPU is 0: polling the event there makes a context on it
-            torch.cuda.set_device(device)
-        rt.sync_event(event, timeout=timeout, what=f"the copies to host memory of {what}")
-        rt.host_reads(*[value for value in staged.values() if isinstance(value, torch.Tensor)])
+    def write() -> None:  # no other thread uses `group` meanwhile: every other agreement waits for this first
+        copies.wait(timeout, f"the copies to host memory of {what}")
         write_version(path, staged, mapping, optimizer_name, step, extra, timeout, group)
 
     return background.start(what, write)
 
 
-def stage(model: nn.Module, flat: dict[str, Any]) -> tuple[dict[str, Any], object]:
+def stage(model: nn.Module, flat: dict[str, Any]) -> tuple[dict[str, Any], background.Staged]:
     """What a background save writes: this rank's parts of `flat` copied to the model's host
     buffers (each DTensor's local part where this rank saves it, Note [checkpoint layout];
     every plain tensor, since which rank writes one is agreed later; plain values as
-    copies), and the event of the copies."""
+    copies), and the copies in flight."""
     rank = dist.get_rank()
     locals_ = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in flat.items()
                if isinstance(value, torch.Tensor) and (not isinstance(value, DTensor) or saved_here(value, None, rank))}
-    buffers, event = background.staging_of(model).copy(locals_)
+    copies = background.staging_of(model).copy(locals_)
+    buffers = copies.buffers
     staged: dict[str, Any] = {}
     for key, value in flat.items():
         if key in buffers:
@@ -201,7 +196,7 @@ def stage(model: nn.Module, flat: dict[str, Any]) -> tuple[dict[str, Any], objec
                 else buffers[key]
         elif not isinstance(value, torch.Tensor):
             staged[key] = copy.deepcopy(value)
-    return staged, event
+    return staged, copies
 
 
 def write_version(path: Path, flat: dict[str, Any], mapping: dict[str, tuple], optimizer_name: str | None,
