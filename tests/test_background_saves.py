@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import torch
+
 import fullshard
 from tests.models import token_batch
 from tests.reference import full_state, global_batches, max_diff
@@ -49,6 +51,11 @@ def save_then_train_job(path: str) -> dict:
     writing = fullshard.save(path, model, opt, step=5, block=False)
     fullshard.export(model, Path(path).parent / "model.safetensors")
     out["exported after the save"] = writing.done() and (Path(path).parent / "model.safetensors").is_file()
+    # under inference_mode (an evaluation loop), then outside it: the same staging buffers serve both
+    with torch.inference_mode():
+        fullshard.save(path, model, opt, step=6, block=False).result()
+    fullshard.save(path, model, opt, step=7, block=False).result()
+    out["after inference mode"] = fullshard.load(path, fresh, fresh_opt)["step"]
     out["bad block"] = raises(lambda: fullshard.save(path, model, opt, step=5, block="no"))
     return out
 
@@ -60,6 +67,7 @@ def test_a_background_save_saves_the_state_at_the_call(world2, tmp_path):
         assert got["moved on"] > 0.0  # training did change the model while the save wrote
         assert got["resumed"] == 0.0
         assert got["last"] == 4 and got["last done"] and got["exported after the save"]
+        assert got["after inference mode"] == 7
         assert "save(block='no') must be True or False" in got["bad block"], got["bad block"]
 
 
