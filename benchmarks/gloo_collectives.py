@@ -4,7 +4,11 @@
 
 Each way moves the same logical data: an all-gather builds [world * n] from every
 rank's [n]; a reduce-scatter leaves each rank the sum of its [n] row of a [world, n]
-input. Ways are alternated round by round; the table shows medians per call.
+input. Ways are alternated round by round; the first tables show medians per call
+after a barrier. The last ones time the two ways gloo takes inside a step (Note
+[collective choice]), point-to-point and all_to_all, each call after a few matrix
+products and no barrier, as between a unit's compute: mean and median per call, for
+shards (messages to each peer) from 100 KB to 32 MB.
 """
 
 import os
@@ -121,4 +125,22 @@ for mb in (1, 8, 32):
         print(f"\nfull buffer {mb} MiB (shard {n * 4 / 2**20:.1f} MiB), world {world}, median ms:")
         for name, ts in times.items():
             print(f"  {name:30s} {1e3 * statistics.median(ts):8.2f}")
+
+weights = torch.randn(128, 128)
+for kb in (100, 1000, 8000, 32000):
+    n = kb * 1000 // 4  # each rank's shard
+    fns = {way.__name__: way(n) for way in (all_gather_by_p2p, all_gather_by_all_to_all, reduce_scatter_by_p2p,
+                                             reduce_scatter_by_all_to_all)}
+    times = {name: [] for name in fns}
+    for _ in range(ROUNDS * 10 if kb < 1000 else ROUNDS):
+        for name, fn in fns.items():
+            for _ in range(3):
+                weights @ weights
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        print(f"\nbetween matrix products: shard {kb} KB, world {world}, mean / median ms:")
+        for name, ts in times.items():
+            print(f"  {name:30s} {1e3 * statistics.mean(ts):8.2f} {1e3 * statistics.median(ts):8.2f}")
 dist.destroy_process_group()

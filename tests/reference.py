@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.collectives import STAMP_BITS
+
 # torch 2.6's FSDP2 does not run on the CPU (torch.cpu.Stream, which it takes for its streams,
 # lacks record_event): tests that compare with FSDP2 have nothing to compare with there
 FSDP2_RUNS_ON_CPU = hasattr(torch.cpu.Stream, "record_event")  # a bool, for tests that compare only where it runs
@@ -156,10 +158,18 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            sent = args[1] if func.__name__.startswith(("_allgather_base", "_reduce_scatter_base")) else args[0]
+            sent = args[1] if func.__name__.startswith(("_allgather_base", "_reduce_scatter_base", "alltoall_base")) \
+                else args[0]
             tensors = sent if isinstance(sent, (list, tuple)) else [sent]
             self.calls.append((func.__name__.split(".")[0], sum(t.numel() for t in tensors)))
         return func(*args, **(kwargs or {}))
 
     def sizes(self, prefix: str) -> list[int]:
         return sorted(numel for name, numel in self.calls if name.startswith(prefix))
+
+    def messages(self, world: int) -> list[int]:
+        """The elements of each message to one peer, sorted: every point-to-point send, and
+        each peer's row of every all_to_all less the unit's tag at its end (Note [named
+        hangs] in fullshard.collectives)."""
+        rows = [numel // world - STAMP_BITS for name, numel in self.calls if name.startswith("alltoall")]
+        return sorted(self.sizes("send") + rows * (world - 1))

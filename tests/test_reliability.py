@@ -134,9 +134,9 @@ class SkippingGPT(GPT):
         return torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1))
 
 
-def divergence_job(debug: bool) -> dict:
+def divergence_job(debug: bool, width: int) -> dict:
     torch.manual_seed(0)
-    model = SkippingGPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=3, n_head=2, n_embd=30))
+    model = SkippingGPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=3, n_head=2, n_embd=width))
     fullshard.shard_model(model, wrap={Block})
     model.set_debug_checks(debug)
     batch = local_slice(global_batches(token_batch, 1, 8)[0], dist.get_rank(), dist.get_world_size())
@@ -149,15 +149,25 @@ def divergence_job(debug: bool) -> dict:
 
 
 def test_a_rank_skipping_a_unit_fails_every_rank_naming_the_unit():
+    # width 30: a block's shard is a small message, which gloo sends as one all_to_all stamped
+    # with the unit's tag; width 192: 0.9 MB, sent point-to-point with the tag (Note [named hangs])
     with World(2, forked=True) as world:  # a new world: these jobs leave its process group unusable, as they say
-        debug = world.run(divergence_job, debug=True)
-        hang = world.run(divergence_job, debug=False)
+        debug = world.run(divergence_job, debug=True, width=30)
+        stamped = world.run(divergence_job, debug=False, width=30)
+        hang = world.run(divergence_job, debug=False, width=192)
     # debug checks: both ranks learn at once what each was about to do
     for got in debug:
         assert "rank 0: all-gather of 'h.1' at step 2" in got["message"]
         assert "rank 1: all-gather of 'h.2' at step 2" in got["message"]
         assert got["seconds"] < 3
-    # without them: each rank waits for its own unit's messages and fails after the timeout
+    # small messages: each rank sees at once that its peer sent another unit's rows
+    assert "the all-gather of unit 'h.1' at step 2 received the all-gather of unit 'h.2' from group rank 1" \
+        in stamped[0]["message"]
+    assert "the all-gather of unit 'h.2' at step 2 received the all-gather of unit 'h.1' from group rank 0" \
+        in stamped[1]["message"]
+    for got in stamped:
+        assert got["seconds"] < 3
+    # point-to-point: each rank waits for its own unit's messages and fails after the timeout
     assert "all-gather of unit 'h.1' at step 2 did not finish" in hang[0]["message"]
     assert "all-gather of unit 'h.2' at step 2 did not finish" in hang[1]["message"]
     for got in hang:

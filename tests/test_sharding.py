@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import fullshard
+from fullshard import runtime
 from fullshard.collectives import (BufferPool, Caller, finish_gather, finish_reduce, gather_full, p2p_tag,
                                    reduce_scatter_grads)
 from tests.world import COLLECTIVE_TIMEOUT_S
@@ -69,14 +70,15 @@ def test_shards_follow_torch_chunk_and_padding_is_invisible(request, world):
         assert got["tied"] and got["n_params"] and got["tied_grad"]
 
 
-def collectives_job(seed: int) -> dict:
+def collectives_job(seed: int, rows_of_first: int) -> dict:
     """gather_full + finish_gather against torch.cat; reduce_scatter_grads + finish_reduce
     against a mean (both through the backend's chosen way, and twice in
     flight at once, as prefetch and overlap issue them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(seed)
-    fulls = [torch.randn(shape, generator=generator) for shape in [(9, 2), (5,), (1, 3)]]  # same on every rank
+    shapes = [(rows_of_first, 2), (5,), (1, 3)]
+    fulls = [torch.randn(shape, generator=generator) for shape in shapes]  # same on every rank
     rows = [-(-f.shape[0] // world) for f in fulls]
     padded = [torch.cat([f, f.new_zeros(world * r - f.shape[0], *f.shape[1:])]) for f, r in zip(fulls, rows)]
     local = torch.cat([p.chunk(world)[rank].reshape(-1) for p in padded])
@@ -107,10 +109,14 @@ def collectives_job(seed: int) -> dict:
     for bucket, numel, r in zip(all_grads, numels, rows):
         mean = torch.stack(bucket).mean(0)
         padded_mean = torch.cat([mean, mean.new_zeros(world * r - mean.shape[0], *mean.shape[1:])])
-        reduce_ok.append(torch.allclose(shard[offset : offset + numel], padded_mean.chunk(world)[rank].reshape(-1)))
+        # the rows are added in another order than torch.mean's: fp32 rounding of a sum of `world`
+        # N(0, 1) values, a few 1e-7 where they cancel near zero
+        reduce_ok.append(torch.allclose(shard[offset : offset + numel], padded_mean.chunk(world)[rank].reshape(-1),
+                                        atol=1e-6))
         offset += numel
     total = sum(numels)
     return {
+        "route": runtime.active.route(group, cpu, local.numel() * local.element_size()),
         "gather": gather_ok,
         "reduce": reduce_ok,
         "scalar": shard[total - 3].item() * world,  # sum of ranks
@@ -119,8 +125,10 @@ def collectives_job(seed: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_collectives_against_cat_and_mean(request, world):
-    for got in request.getfixturevalue(f"world{world}").run(collectives_job, seed=world):
+@pytest.mark.parametrize("rows_of_first", [9, 300_000])  # gloo's routes: all_to_all, then point-to-point
+def test_collectives_against_cat_and_mean(request, world, rows_of_first):
+    for got in request.getfixturevalue(f"world{world}").run(collectives_job, seed=world, rows_of_first=rows_of_first):
+        assert got["route"] == ("all_to_all" if rows_of_first == 9 else "p2p")
         assert got["gather"] and all(got["reduce"])
         assert got["scalar"] == pytest.approx(sum(range(world)))
         # flags: every rank has the first 4 gradients; the 5th on ranks 1..; the 6th nowhere

@@ -11,10 +11,17 @@ pending object at once) and a wait.
 # 32 MiB buffers): all_gather_into_tensor 0.6 / 4.5 / 32-76, point-to-point 0.4 / 2.9
 # / 10.8; reduce_scatter_tensor (an all-reduce of the whole input inside gloo) 1.7 /
 # 8.2 / 39, point-to-point 0.7 / 4.0 / 15 (world 4 alike). So on gloo each rank sends
-# its flat shard (gather) or each peer's row (reduce-scatter) straight to that peer:
-# one message per peer, (N-1)/N of the buffer on the wire, the bandwidth optimum.
-# The rows a reduce-scatter receives are summed in rank order, so the result does not
-# depend on message timing.
+# its flat shard (gather) or each peer's row (reduce-scatter) to that peer: one message
+# per peer, (N-1)/N of the buffer on the wire, the bandwidth optimum. Small messages (at
+# most runtime.SMALL_MESSAGE bytes to a peer, in host memory) go as one all_to_all_single,
+# which gloo's worker threads run; larger ones point-to-point. Posting a point-to-point
+# receive or send makes the training thread wait for gloo's network thread, which on busy
+# cores costs up to milliseconds now and then (a 100 KB exchange between matrix products:
+# median 0.34 ms, mean 0.76); all_to_all leaves that wait to gloo's threads (mean 0.50,
+# its extra copy of the shard included) but its copies cost more than they save from about
+# 1 MB on (1 MB to each of 3 peers: mean 4.2 against 3.3; 32 MB at world 2: 53 against 18).
+# The rows a reduce-scatter receives are summed in rank order either way, so the result
+# does not depend on message timing or route.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch.distributed as dist
 
 from fullshard import runtime
 from fullshard.options import DEFAULT_TIMEOUT
+from fullshard.runtime import CollectiveError
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -55,14 +63,60 @@ def wait_all(works: list, caller: Caller, *, on_device: bool) -> None:
 # Note [named hangs]: every point-to-point message carries its unit's tag, so a rank
 # that skipped a unit (or took another branch) is never matched with another unit's
 # message of the same size (which would be silent corruption): its peers wait, time
-# out, and raise an error naming the unit, the collective and the step. On GPUs
+# out, and raise an error naming the unit, the collective and the step. A collective
+# carries no tag, so each row of a small message on gloo (Note [collective choice]) ends
+# with its tag's STAMP_BITS bits, as elements 0 and 1 (exact in every dtype): a rank that
+# receives another unit's rows of the same size raises at once, naming both. (Rows of
+# another size make gloo abort the receiving process: "Received data size doesn't match
+# expected size"; set_debug_checks(True) names the units first.) On GPUs
 # waits do not block the host; runtime.HangWatch keeps the timeout there, and host
 # waits are bounded by it too.
+
+STAMP_BITS = 24
+
+
+class MismatchedRows(CollectiveError):
+    """A peer sent the rows of another collective (Note [named hangs]): `peer` is its rank in
+    the group, `tag` the tag its rows carried (None: no tag at all)."""
+
+    def __init__(self, peer: int, tag: int | None) -> None:
+        super().__init__(f"group rank {peer} sent the rows of " + ("another collective" if tag is None else
+                                                                    f"the collective of message tag {tag}"))
+        self.peer, self.tag = peer, tag
+
+
+def stamp(tag: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`tag`'s bits, lowest first ([STAMP_BITS] of 0 and 1 in `dtype`), Note [named hangs]."""
+    return torch.tensor([(tag >> i) & 1 for i in range(STAMP_BITS)], dtype=dtype, device=device)
+
+
+def check_stamps(stamps: torch.Tensor, tag: int) -> None:
+    """Every rank's row ended with `tag`'s stamp (`stamps`: [world, STAMP_BITS] as received);
+    MismatchedRows names the first peer whose did not."""
+    expected = stamp(tag, stamps.dtype, stamps.device)
+    if torch.equal(stamps, expected.expand_as(stamps)):
+        return
+    for peer, bits in enumerate(stamps.tolist()):
+        if bits != expected.tolist():
+            valid = all(b in (0, 1) for b in bits)
+            raise MismatchedRows(peer, sum(int(b) << i for i, b in enumerate(bits)) if valid else None)
+
+
+def all_to_all(sent: torch.Tensor, received: torch.Tensor, group: dist.ProcessGroup) -> list:
+    """sent[r] to group rank r and received[r] from it (both [world, row]), as one collective
+    (Note [collective choice])."""
+    work = dist.all_to_all_single(received.view(-1), sent.view(-1), group=group, async_op=True)
+    return runtime.active.launched([work], reads=[sent], writes=[received])
 
 
 def p2p_tag(unit_index: int, kind: int) -> int:
     """The message tag of a unit's gather (kind 0) or reduce-scatter (kind 1) on gloo (Note [named hangs])."""
     return 16 + 2 * unit_index + kind
+
+
+def tag_unit(tag: int) -> tuple[int, int]:
+    """The unit index and kind whose p2p_tag is `tag`."""
+    return divmod(tag - 16, 2)
 
 
 def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, timeout: timedelta,
@@ -203,13 +257,15 @@ def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
 @dataclass
 class PendingGather:
     """An all-gather in flight into `gathered`: every rank's flat shard, rank after rank
-    ([world, unit_shard_numel]), or on gloo only the peers' ([world - 1, ...]): a rank's
-    own shard goes from `local_flat` straight to its rows of the full parameters."""
+    ([world, unit_shard_numel], each row followed by its stamp when `stamped`, Note [named
+    hangs]), or point-to-point only the peers' ([world - 1, ...]): a rank's own shard goes
+    from `local_flat` straight to its rows of the full parameters."""
 
     works: list
     gathered: torch.Tensor
     local_flat: torch.Tensor  # what this rank sent
-    staged: bool  # `local_flat` is a pool buffer (a cast or moved copy of the shard)
+    sent: torch.Tensor | None  # the pool buffer `local_flat` is in (a cast, moved or stamped copy of the shard)
+    stamped: bool
     rank: int
     world: int
     device: torch.device
@@ -233,15 +289,18 @@ def gather_full(
     """
     rt = runtime.active
     world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
+    casts = bytes_of or [None] * len(shards)
+    sizes = [s.numel() * (cast.itemsize if cast else 1) for s, cast in zip(shards, casts)]
+    numel = sum(sizes)
+    route = rt.route(group, device, numel * dtype.itemsize) if group is not None else "none"
+    stamped = route == "all_to_all"
     stream = rt.side_stream(device, "gather")
     rt.wait_stream(stream, rt.current_stream(device))  # the optimizer may have just written the shard
     with rt.use(stream):
-        casts = bytes_of or [None] * len(shards)
         elsewhere = bool(shards) and rt.elsewhere(shards[0], device)  # a unit's shards share one device
-        staged = len(shards) != 1 or shards[0].dtype != dtype or elsewhere or bytes_of is not None
-        if staged:
-            sizes = [s.numel() * (cast.itemsize if cast else 1) for s, cast in zip(shards, casts)]
-            local_flat = pool.take((sum(sizes),), dtype, device)  # [unit_shard_numel], of dtype
+        if stamped or len(shards) != 1 or shards[0].dtype != dtype or elsewhere or bytes_of is not None:
+            sent = pool.take((world, numel + STAMP_BITS) if stamped else (numel,), dtype, device)
+            local_flat = sent[0, :numel] if stamped else sent  # [unit_shard_numel], of dtype
             offset = 0
             if shards and bytes_of is None and not elsewhere:
                 torch.cat(shards, out=local_flat)  # one kernel that also casts (mixed precision)
@@ -261,11 +320,16 @@ def gather_full(
                     pool.give(converted)
                 offset += size
         else:
-            local_flat = shards[0]
-        sent = (world - 1) * local_flat.numel() * local_flat.element_size()
+            sent, local_flat = None, shards[0]
+        sent_bytes = (world - 1) * local_flat.numel() * local_flat.element_size()
         if group is None:
             gathered, works = local_flat.new_empty((0, local_flat.numel())), []
-        elif rt.point_to_point(group):
+        elif stamped:  # every peer gets the same row: this rank's shard, then its stamp
+            sent[0, numel:].copy_(stamp(caller.tag, dtype, device))
+            sent[1:].copy_(sent[0].expand(world - 1, -1))
+            gathered = pool.take((world, numel + STAMP_BITS), dtype, device)
+            works = all_to_all(sent, gathered, group)
+        elif route == "p2p":
             peers = [r for r in range(world) if r != rank]
             gathered = pool.take((world - 1, local_flat.numel()), local_flat.dtype, local_flat.device)
             works = exchange([local_flat] * len(peers), list(gathered), peers, group, caller.tag)
@@ -273,7 +337,7 @@ def gather_full(
             gathered = pool.take((world, local_flat.numel()), local_flat.dtype, local_flat.device)
             works = rt.launched([_all_gather_single(gathered.view(-1), local_flat, group=group, async_op=True)],
                                 reads=[local_flat], writes=[gathered])
-    return PendingGather(works, gathered, local_flat, staged, rank, world, device, stream, sent, caller)
+    return PendingGather(works, gathered, local_flat, sent, stamped, rank, world, device, stream, sent_bytes, caller)
 
 
 def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int],
@@ -288,7 +352,13 @@ def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numel
         wait_all(pending.works, pending.caller, on_device=pending.stream is not None)
         outs = [full.view(world, -1) for full in fulls]  # each [world, shard_numel]
         with torch.no_grad():
-            if pending.gathered.size(0) == world:
+            if pending.stamped:
+                stamps = pending.gathered.new_empty((world, STAMP_BITS))
+                torch.split_with_sizes_copy(pending.gathered, [*shard_numels, STAMP_BITS], dim=1,
+                                            out=[*outs, stamps])
+                check_stamps(stamps, pending.caller.tag)
+                rt.reads(pending.gathered)
+            elif pending.gathered.size(0) == world:
                 torch.split_with_sizes_copy(pending.gathered, shard_numels, dim=1, out=outs)
                 rt.reads(pending.gathered)
             else:
@@ -300,8 +370,8 @@ def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numel
         rt.writes(*fulls)
     rt.wait_stream(rt.current_stream(pending.device), pending.stream)
     pool.give(pending.gathered)
-    if pending.staged:
-        pool.give(pending.local_flat)
+    if pending.sent is not None:
+        pool.give(pending.sent)
 
 
 def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], out: torch.Tensor) -> None:
@@ -354,9 +424,12 @@ def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], out: to
 class PendingReduce:
     """A reduction in flight; `finish_reduce` turns it into this rank's averaged row."""
 
-    works: list  # the reduce-scatter (or the point-to-point messages) inside the shard group
-    sent: torch.Tensor | None  # [world, row_numel], kept alive until the sends are done
-    received: torch.Tensor | None  # [world - 1, row_numel] rows from the peers, in rank order (gloo)
+    works: list  # the reduce-scatter (or the point-to-point messages, or the all_to_all) inside the shard group
+    sent: torch.Tensor | None  # [world, row_numel (+ STAMP_BITS)], kept alive until the sends are done
+    received: torch.Tensor | None  # gloo: rows from the peers, in rank order ([world - 1, row_numel];
+    # all_to_all: every rank's, each followed by its stamp, [world, row_numel + STAMP_BITS])
+    stamped: bool  # the all_to_all route, Note [named hangs]
+    rank: int
     shard: torch.Tensor  # [row_numel]
     stream: torch.cuda.Stream | None  # the reduce stream
     replicate_group: dist.ProcessGroup | None
@@ -395,15 +468,18 @@ def reduce_scatter_grads(
     world, rank = (shard_group.size(), shard_group.rank()) if shard_group is not None else (1, 0)
     compute, stream = rt.current_stream(device), rt.side_stream(device, "reduce")
     sent, received, works = None, None, []
-    p2p = shard_group is not None and rt.point_to_point(shard_group)
+    route = rt.route(shard_group, device, row_numel * shard.element_size()) if shard_group is not None else "none"
+    p2p, stamped = route in ("p2p", "all_to_all"), route == "all_to_all"
     peers = [r for r in range(world) if r != rank]
+    rows = None  # [world, row_numel]: every rank's rows
     if shard_group is None:
         pack_rows(grads, shard_numels, shard.view(1, -1))  # the only row is the result
     else:
-        sent = pool.take((world, row_numel), dtype, device)  # [world, row_numel]: every rank's rows
-        pack_rows(grads, shard_numels, sent)
+        sent = pool.take((world, row_numel + STAMP_BITS) if stamped else (world, row_numel), dtype, device)
+        rows = sent[:, :row_numel] if stamped else sent
+        pack_rows(grads, shard_numels, rows)
         if p2p:  # own row straight into the result, Note [collective choice]
-            shard.copy_(sent[rank])
+            shard.copy_(rows[rank])
     own = shard_group is None or p2p
     group = shard_group or replicate_group
     backend = "gloo" if group is None or p2p else dist.get_backend(group)
@@ -412,19 +488,24 @@ def reduce_scatter_grads(
                     force_sum=force_sum)
     op, divide_after = how.op, how.divide_after
     if how.divide_first:
-        for rows in (sent, shard if own else None):
-            if rows is not None:
-                rows.div_(divide_by)
-                rt.writes(rows)
+        for divided in (rows, shard if own else None):
+            if divided is not None:
+                divided.div_(divide_by)
+                rt.writes(divided)
     rt.wait_stream(stream, compute)  # Note [streams]: the rows were packed on the compute stream
     with rt.use(stream):
-        if p2p:
+        if stamped:
+            sent[:, row_numel:].copy_(stamp(caller.tag, dtype, device).expand(world, -1))
+            received = pool.take((world, row_numel + STAMP_BITS), dtype, device)
+            works = all_to_all(sent, received, shard_group)
+        elif p2p:
             received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
             works = exchange([sent[r] for r in peers], list(received), peers, shard_group, caller.tag)
         elif shard_group is not None:
             works = rt.launched([_reduce_scatter_single(shard, sent.view(-1), op=op, group=shard_group,
                                                         async_op=True)], reads=[sent], writes=[shard])
-    pending = PendingReduce(works, sent, received, shard, stream, replicate_group, op, divide_after, caller)
+    pending = PendingReduce(works, sent, received, stamped, rank, shard, stream, replicate_group, op, divide_after,
+                            caller)
     if shard_group is not None:
         pending.traffic.append(("reduce_scatter", (world - 1) * row_numel * shard.element_size()))
     if replicate_group is not None and not p2p:  # at once, on its own stream, behind the reduce-scatter
@@ -455,11 +536,15 @@ def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
     with rt.use(stream):
         wait_all(pending.works, pending.caller, on_device=stream is not None)
         if pending.received is not None:  # own row first, then the peers' in rank order, Note [averaging]
+            peer_rows = list(pending.received)
+            if pending.stamped:  # every rank's row, Note [named hangs]
+                check_stamps(pending.received[:, shard.numel():], pending.caller.tag)
+                peer_rows = [row[: shard.numel()] for r, row in enumerate(peer_rows) if r != pending.rank]
             total = shard
             if shard.dtype in LOW_PRECISION:  # round once, Note [averaging]
                 total = pool.take((shard.numel(),), torch.float32, shard.device)  # [row_numel]
                 total.copy_(shard)
-            for row in pending.received:
+            for row in peer_rows:
                 total.add_(row)
             if total is not shard:
                 shard.copy_(total.div_(pending.divide_after))

@@ -140,6 +140,9 @@ class HangWatch:
 # late after the GPU got there (a fraction of a ms per host sync), at <= 2000 wake-ups a second
 MAX_PAUSE_S = 5e-4
 
+# the largest message to one peer that gloo sends as one all_to_all (Note [collective choice])
+SMALL_MESSAGE = 256 * 1024
+
 
 class Runtime:
     """CUDA streams and events where the device is a GPU; on the CPU streams are None."""
@@ -147,7 +150,7 @@ class Runtime:
     def __init__(self) -> None:
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self.watch = HangWatch()
-        self.p2p: dict[dist.ProcessGroup, bool] = {}  # point_to_point's answer per group
+        self.gloo: dict[dist.ProcessGroup, bool] = {}  # whether each group's backend is gloo, for route
 
     # ---- streams and events, Note [streams] ----------------------------------------------
 
@@ -193,12 +196,16 @@ class Runtime:
 
     # ---- collectives -------------------------------------------------------------------
 
-    def point_to_point(self, group: dist.ProcessGroup) -> bool:
-        """Note [collective choice]: gloo sends rows point-to-point, other backends use their collectives."""
-        p2p = self.p2p.get(group)
-        if p2p is None:
-            p2p = self.p2p[group] = dist.get_backend(group) == "gloo"
-        return p2p
+    def route(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> str:
+        """Note [collective choice]: how a unit's message of `nbytes` to each peer in `group`
+        goes: "native" (the backend's collective), "p2p" (gloo, point-to-point) or "all_to_all"
+        (gloo, host memory, at most SMALL_MESSAGE bytes)."""
+        gloo = self.gloo.get(group)
+        if gloo is None:
+            gloo = self.gloo[group] = dist.get_backend(group) == "gloo"
+        if not gloo:
+            return "native"
+        return "all_to_all" if device.type == "cpu" and nbytes <= SMALL_MESSAGE else "p2p"
 
     def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
         """`works` were just issued on the current stream, reading and writing these buffers."""

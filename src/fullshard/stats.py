@@ -13,8 +13,9 @@ class Stats:
     Bytes are bytes this rank sends: what a bandwidth-optimal algorithm must send
     ((N-1)/N of a gather's output, of a reduce-scatter's input, 2(N-1)/N of an
     all-reduce). The `*_wire_bytes` properties are what the algorithm in use sends; the
-    algorithms used here (point-to-point on gloo, NCCL's rings) are bandwidth-optimal, so
-    they are the same counts. `wait_s` is host time
+    algorithms used here (point-to-point or all_to_all on gloo, NCCL's rings) are
+    bandwidth-optimal, so they are the same counts (not counted: the 24-element tag at the
+    end of each row of a small gloo message, Note [named hangs]). `wait_s` is host time
     blocked on communication (on GPUs waits are stream waits and cost no host time).
     Peaks are of full (unsharded) parameters and gradients alive at once, in bytes.
     """

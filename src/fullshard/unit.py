@@ -52,9 +52,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard import runtime
-from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingReduce, all_gather_ints,
+from fullshard.collectives import (BufferPool, Caller, MismatchedRows, PendingGather, PendingReduce, all_gather_ints,
                                    all_reduce_tensors, finish_gather, finish_reduce, gather_full, p2p_tag,
-                                   redistribute, reduce_scatter_grads)
+                                   redistribute, reduce_scatter_grads, tag_unit)
 from fullshard.errors import FullShardError, collective_failed, fail
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
@@ -63,6 +63,14 @@ from fullshard.quantize import BlockQuantized
 from fullshard.param import ShardedParam, local_values, rows_first, shard_numel
 from fullshard.runtime import CollectiveError, labelled
 from fullshard.stats import Stats
+
+# what a rank whose collective failed is told to do, Note [named hangs]
+DIVERGED = ("Every rank must run the same units in the same order: another rank skipped this unit, took another "
+            "branch, or died (model.set_debug_checks(True) names where ranks part). Evaluating on rank 0 alone "
+            "does this: run every forward on every rank, or evaluate inside `with fullshard.full_params(model, "
+            "rank0_only=True, writeback=False):` (entered by every rank), where rank 0 computes without "
+            "communicating. The process group cannot go on; restart the job (fullshard train --max-restarts N "
+            "resumes from the last checkpoint).")
 
 
 class ShardState(Enum):
@@ -445,16 +453,15 @@ class Unit:
 
     def failed(self, collective: str, error: Exception) -> FullShardError:
         """Note [named hangs]: the error a rank raises when a collective of this unit does not
-        finish, or when a wait of this unit finds another collective overdue (it names that one)."""
-        return collective_failed(
-            f"the {collective} of unit {self.fqn!r} at step {self.step}", error,
-            "Every rank must run the same units in the same order: another rank skipped this unit, took another "
-            "branch, or died (model.set_debug_checks(True) names where ranks part). Evaluating on rank 0 alone "
-            "does this: run every forward on every rank, or evaluate inside `with fullshard.full_params(model, "
-            "rank0_only=True, writeback=False):` (entered by every rank), where rank 0 computes without "
-            "communicating. The process group cannot go on; restart the job (fullshard train --max-restarts N "
-            "resumes from the last checkpoint).",
-        )
+        finish, when a wait of this unit finds another collective overdue (it names that one),
+        or when a peer sent another unit's rows (it names that unit)."""
+        what = f"the {collective} of unit {self.fqn!r} at step {self.step}"
+        if isinstance(error, MismatchedRows):
+            index, kind = tag_unit(error.tag) if error.tag is not None else (-1, 0)
+            theirs = (f"the {('all-gather', 'reduce-scatter')[kind]} of unit {self.names[index]!r}"
+                      if 0 <= index < len(self.names) else "another collective")
+            return fail(f"rank {dist.get_rank()}: {what} received {theirs} from group rank {error.peer}", DIVERGED)
+        return collective_failed(what, error, DIVERGED)
 
     def check_agreement(self, kind: int, mask: int = 0) -> None:
         """Debug checks: every rank is about to run the same collective (0: all-gather, 1: reduce-scatter,

@@ -211,8 +211,8 @@ class StreamModel:
 
     # ---- collectives -----------------------------------------------------------------------
 
-    def point_to_point(self, group: object) -> bool:
-        return not self.native
+    def route(self, group: object, device: torch.device, nbytes: int) -> str:
+        return "native" if self.native else "p2p"  # a model of GPU memory, where gloo goes point-to-point
 
     def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
         issuer = self.stack[-1]
