@@ -16,10 +16,12 @@ pending object at once) and a wait.
 # most runtime.SMALL_MESSAGE bytes to a peer, in host memory) go as one all_to_all_single,
 # which gloo's worker threads run; larger ones point-to-point. Posting a point-to-point
 # receive or send makes the training thread wait for gloo's network thread, which on busy
-# cores costs up to milliseconds now and then (a 100 KB exchange between matrix products:
-# median 0.34 ms, mean 0.76); all_to_all leaves that wait to gloo's threads (mean 0.50,
-# its extra copy of the shard included) but its copies cost more than they save from about
-# 1 MB on (1 MB to each of 3 peers: mean 4.2 against 3.3; 32 MB at world 2: 53 against 18).
+# cores costs up to milliseconds now and then; all_to_all leaves that wait to gloo's
+# threads, for an extra copy of the shard. On the tiny GPT of benchmarks/host_time.py
+# (units of 70-100 KB per rank), fullshard's step overhead over DDP was 9.4 ms point-to-
+# point and 3.1 ms all_to_all, alternated in one run (before the tags below). Between matrix products (gloo_collectives.py's last tables, world 2, mean
+# ms, gather / reduce-scatter): 100 KB shards, point-to-point 0.56 / 0.64, all_to_all
+# 0.52 / 0.49; 1 MB 1.59 / 1.61 against 1.62 / 2.07; 32 MB 23.8 / 40.4 against 29.2 / 47.9.
 # The rows a reduce-scatter receives are summed in rank order either way, so the result
 # does not depend on message timing or route.
 """
