@@ -26,6 +26,7 @@ from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail
 from fullshard.hooks import units_under
 from fullshard.param import ShardedParam, local_values
+from fullshard.unit import sharded_params
 
 
 def has_meta(model: nn.Module) -> bool:
@@ -69,7 +70,7 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
     for unit in units:
         unit.relayout(device=unit.group.device)
     device = units[0].group.device if units else torch.device("cpu")
-    by_param: dict[nn.Parameter, ShardedParam] = {p.sharded: p for unit in units for p in unit.params}
+    by_param = sharded_params(units)
     done: set[ShardedParam] = set()
     uninitialized: list[str] = []
     described: list[tuple] = []  # each initialized parameter, and its bit_sums, for check_ranks_agree

@@ -18,7 +18,7 @@ from fullshard.errors import fail, require
 from fullshard.hooks import normal_tensors, units_of, units_under
 from fullshard.mesh import compute_device
 from fullshard.param import ShardedParam
-from fullshard.unit import Unit
+from fullshard.unit import Unit, sharded_params
 
 Entry = ShardedParam | tuple[nn.Module, str]
 
@@ -27,7 +27,7 @@ def state_entries(model: nn.Module) -> dict[str, Entry]:
     """Every name of `model.state_dict()` (the unwrapped model's), with what it names: a
     sharded parameter, or (module, name) of a persistent buffer or unmanaged parameter.
     Tied parameters appear under each of their names."""
-    sharded = {p.sharded: p for unit in units_under(model) for p in unit.params}
+    sharded = sharded_params(units_under(model))
     entries: dict[str, Entry] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
@@ -233,7 +233,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, opt
     own state tensors (load() fills them in place), which stay as they are."""
     names = param_names(model)
     by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
-    sharded = {p.sharded: p for unit in units_of(model, "set_state_dict") for p in unit.params}
+    sharded = sharded_params(units_of(model, "set_state_dict"))
     keys = [*optim_sd.get("state", {}), *(p for g in optim_sd.get("param_groups", []) for p in g.get("params", []))]
     if any(not isinstance(key, str) for key in keys):
         raise fail("the optimizer state dict names parameters by position (torch's optimizer.state_dict() "
@@ -346,7 +346,7 @@ def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer,
     dtype and shape, None for a non-tensor), laid out as this optimizer would hold it; the
     optimizer itself is not touched."""
     names = param_names(model)
-    sharded = {p.sharded: p for unit in units_under(model) for p in unit.params}
+    sharded = sharded_params(units_under(model))
     by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
     state: dict[str, dict[str, Any]] = {}
     for key, item in saved.items():

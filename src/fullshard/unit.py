@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum, auto
@@ -98,6 +98,13 @@ LIVE_UNITS: weakref.WeakSet[Unit] = weakref.WeakSet()  # every Unit adds itself 
 def unit_of(param: nn.Parameter) -> Unit | None:
     """The live unit that manages `param` (a sharded parameter), if any (a scan: for checks, not steps)."""
     return next((unit for unit in list(LIVE_UNITS) if any(p.sharded is param for p in unit.params)), None)
+
+
+def sharded_params(units: Iterable[Unit]) -> dict[nn.Parameter, ShardedParam]:
+    """The parameter each ShardedParam of `units` puts in the modules between steps (its
+    shard, a DTensor), mapped to it: how state dicts, checkpoints and deferred init find
+    what a parameter of the model is."""
+    return {p.sharded: p for unit in units for p in unit.params}
 
 
 class Unit:
