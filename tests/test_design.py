@@ -1,0 +1,51 @@
+"""README's design section as a check on the code: every library file is in its layer
+picture, and each imports only files of layers below its own (no file imports another of
+its line), including imports inside functions; the library never imports the CLI or the
+test tooling beside it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "fullshard"
+
+
+def readme_layers() -> dict[str, int]:
+    """Each file README's layer list names (`name` followed by its description in
+    parentheses), with its layer number."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Design: one training step, top-down"):readme.index("Beside the library:")]
+    layers: dict[str, int] = {}
+    for item in re.finditer(r"^(\d+)\. (.*?)(?=^\d+\. |\Z)", section, re.S | re.M):
+        for name in re.findall(r"`(\w+)`\s*\(", item.group(2)):
+            assert name not in layers, f"README names {name} in two layers"
+            layers[name] = int(item.group(1))
+    return layers
+
+
+def package_imports(path: Path) -> list[tuple[str, int]]:
+    """The fullshard modules `path` imports (top level or inside functions), with the line."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fullshard":
+            parts = node.module.split(".")
+            out += [(parts[1], node.lineno)] if len(parts) > 1 else [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name.split(".")[1], node.lineno) for a in node.names if a.name.startswith("fullshard.")]
+    return out
+
+
+def test_every_library_file_is_in_the_layer_picture_and_imports_only_layers_below():
+    layers = readme_layers()
+    files = {path.stem for path in PACKAGE.glob("*.py")}
+    assert files == set(layers), f"not in README: {sorted(files - set(layers))}; no such file: " \
+                                 f"{sorted(set(layers) - files)}"
+    wrong = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for name, line in package_imports(path):
+            if name in ("cli", "testing") or layers.get(name, 99) >= layers[path.stem]:
+                wrong.append(f"{path.name}:{line} ({layers[path.stem]}) imports {name} ({layers.get(name)})")
+    assert not wrong, wrong
