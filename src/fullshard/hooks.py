@@ -296,7 +296,7 @@ class RootContext:
                 self.host_waits("the gradients all-reduced across replicas")  # once for every unit
         self.scheduler.end_backward()
         self.callback_queued = False
-        self.stats.steps += 1
+        self.stats.finished_step()
         self.step += 1
         self.pool.release()  # forward's activations may reuse that memory
         if reduced:  # a backward under no_sync has nothing new to check
@@ -334,9 +334,9 @@ class RootContext:
             return
         for hooks in self.units:  # skipped, or cleared before raising: a caller that catches the error and
             for p in hooks.unit.params:  # steps anyway must not write inf/NaN into the parameters
-                p.sharded.grad = None
+                p.drop_grad()
         if not any(code >= 0 and code % 2 for code in codes):
-            self.stats.skipped_steps += 1
+            self.stats.skipped_step()
             return
         mine = codes[dist.get_rank()]
         where = f"unit {unit.names[mine // 2]!r}" if mine >= 0 else \

@@ -5,6 +5,7 @@ step guard reads them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Iterable
 
@@ -86,13 +87,14 @@ def ddp_averaged() -> WeakIdKeyDictionary:
             _DDP_AVERAGED.update((p, True) for p in obj.parameters() if p.requires_grad)
     return _DDP_AVERAGED
 
-def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims):
-    """Note [SPMD meshes]: the data-parallel mesh that `dp_mesh_dims` names in `mesh`; each
-    parameter, a DTensor on `mesh` replicated over those dims, becomes the DTensor of the other
-    dim (or its local part), keeping its spec there to show while full."""
+def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims) -> tuple[list[OwnedParam], object]:
+    """Note [SPMD meshes]: the parameters and the data-parallel mesh that `dp_mesh_dims` names in
+    `mesh`; each parameter, a DTensor on `mesh` replicated over those dims, becomes the DTensor of
+    the other dim (or its local part), keeping its spec there to show while full."""
     from torch.distributed.tensor import DTensor, Replicate  # noqa: PLC0415
 
     dp_mesh, dp_dims, tp_name = spmd_dp_mesh(mesh, dp_mesh_dims)
+    out = []
     for o in owned:
         p = o.param
         if not isinstance(p, DTensor) or p.device_mesh != mesh or \
@@ -107,9 +109,9 @@ def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims):
             tp = mesh.mesh_dim_names.index(tp_name)
             local = DTensor.from_local(local, mesh[tp_name], [p.placements[tp]], run_check=False, shape=p.shape,
                                        stride=p.stride())
-        o.view = (p._spec, dp_dims)
-        o.param = nn.Parameter(local, requires_grad=p.requires_grad)
-    return dp_mesh
+        out.append(dataclasses.replace(o, view=(p._spec, dp_dims),
+                                       param=nn.Parameter(local, requires_grad=p.requires_grad)))
+    return out, dp_mesh
 
 # Note [meshes of one call]: FSDP2's shard_placement_fn may return a ShardPlacementResult
 # that puts a parameter on a mesh of its own (torchtitan shards MoE experts over the
@@ -119,17 +121,20 @@ def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims):
 # module is. Each unit gathers and reduces over its own mesh; the module's hooks are a
 # list (hooks.hooks_on), and every FSDPModule method applies to all of a module's units.
 
-def set_split_dims(owned: list[OwnedParam], shard_placement_fn) -> None:
-    """Set the dim each parameter is split along, and the mesh it is sharded over, from FSDP2's
+def set_split_dims(owned: list[OwnedParam], shard_placement_fn) -> list[OwnedParam]:
+    """The parameters with the dim each is split along, and the mesh it is sharded over, from FSDP2's
     shard_placement_fn (Note [another dim], Note [meshes of one call]): None is Shard(0) on the
     call's mesh; a negative dim counts from the last; a ShardPlacementResult names a mesh too."""
     from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
 
+    out = []
     for o in owned:
         placement = shard_placement_fn(o.param)
         if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # torch's ShardPlacementResult
-            placement, o.mesh = placement.placement, result_mesh(placement.mesh_info, o.fqn)
+            o = dataclasses.replace(o, mesh=result_mesh(placement.mesh_info, o.fqn))
+            placement = placement.placement
         if placement is None:
+            out.append(o)
             continue
         ndim = o.param.dim()
         if type(placement) is not Shard or not -ndim <= placement.dim < max(ndim, 1):
@@ -140,7 +145,8 @@ def set_split_dims(owned: list[OwnedParam], shard_placement_fn) -> None:
             raise fail(f"shard_placement_fn asked for Shard({placement.dim}) for {o.fqn!r}, a tensor-parallel "
                        "DTensor; fullshard splits those along dim 0 only", "Return None for tensor-parallel "
                        "parameters.")
-        o.dim = placement.dim % max(ndim, 1)
+        out.append(dataclasses.replace(o, dim=placement.dim % max(ndim, 1)))
+    return out
 
 def result_mesh(mesh_info, fqn: str):
     """The DeviceMesh of a ShardPlacementResult's FSDPMeshInfo (1-D: shard over it) or HSDPMeshInfo
@@ -203,18 +209,17 @@ def owned_params(module: nn.Module, exclude: Iterable[nn.Parameter] = ()) -> lis
     managed = {tensor for unit in units_under(module) for p in unit.params for tensor in (p.sharded, p.unsharded)}
     replicated = {m for top in module.modules() if "replicate" in top.__dict__.get(REGISTRY_KEY, {})
                   for m in top.modules()}
-    owned: dict[nn.Parameter, OwnedParam] = {}
+    fqns: dict[nn.Parameter, str] = {}  # the first name of each
+    slots: dict[nn.Parameter, dict[tuple[nn.Module, str], None]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         if sub in replicated:
             continue
         for name, param in sub._parameters.items():
             if param is None or param in excluded or param in managed:
                 continue
-            if param not in owned:
-                owned[param] = OwnedParam(param, f"{prefix}.{name}" if prefix else name, [])
-            if (sub, name) not in owned[param].slots:
-                owned[param].slots.append((sub, name))
-    return list(owned.values())
+            fqns.setdefault(param, f"{prefix}.{name}" if prefix else name)
+            slots.setdefault(param, {})[(sub, name)] = None
+    return [OwnedParam(param, fqn, tuple(slots[param])) for param, fqn in fqns.items()]
 
 def owned_by(modules: list[nn.Module], exclude: Iterable[nn.Parameter]) -> list[OwnedParam]:
     """owned_params of one module, or of a module group (Note [module groups]), whose members'
@@ -224,10 +229,9 @@ def owned_by(modules: list[nn.Module], exclude: Iterable[nn.Parameter]) -> list[
     merged: dict[nn.Parameter, OwnedParam] = {}
     for i, module in enumerate(modules):
         for o in owned_params(module, exclude):
-            if o.param in merged:
-                merged[o.param].slots.extend(slot for slot in o.slots if slot not in merged[o.param].slots)
-            else:
-                merged[o.param] = OwnedParam(o.param, f"[{i}].{o.fqn}", o.slots)
+            first = merged.get(o.param)
+            merged[o.param] = OwnedParam(o.param, f"[{i}].{o.fqn}", o.slots) if first is None else \
+                dataclasses.replace(first, slots=tuple(dict.fromkeys(first.slots + o.slots)))
     return list(merged.values())
 
 def check_owned(what: str, owned: list[OwnedParam], group: ShardGroup) -> None:
@@ -281,12 +285,12 @@ def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forwa
     the unit applies if it becomes a root."""
     owned = owned_by(modules, [*exclude, *ignored])
     if shard_placement_fn is not None:
-        set_split_dims(owned, shard_placement_fn)
+        owned = set_split_dims(owned, shard_placement_fn)
     if dp_mesh_dims is not None:  # Note [SPMD meshes]
         if mesh is None:
             raise fail("fully_shard(dp_mesh_dims=...) needs the full mesh", "Pass mesh=the mesh the parameters "
                        "are DTensors on, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\")).")
-        mesh = from_spmd_mesh(owned, mesh, dp_mesh_dims)
+        owned, mesh = from_spmd_mesh(owned, mesh, dp_mesh_dims)
     primary = shard_group(mesh)
     parts = [(primary, [o for o in owned if o.mesh is None or o.mesh == primary.mesh])]  # Note [meshes of one call]
     for o in owned:

@@ -99,7 +99,7 @@ class ShardedParam:
     def __init__(
         self,
         original: nn.Parameter,
-        slots: list[tuple[nn.Module, str]],
+        slots: tuple[tuple[nn.Module, str], ...],
         fqn: str,
         group: ShardGroup,
         segment: torch.Tensor,
@@ -279,6 +279,20 @@ class ShardedParam:
             return
         grad = self.full_grad(redistribute)
         self.accumulated = grad if grad.dtype == dtype else grad.to(dtype)
+
+    def drop_full_grad(self) -> None:
+        """Forget the full gradient of a step that will not be reduced (a backward that raised)."""
+        self.unsharded.grad = self.accumulated = None
+
+    def drop_grad(self) -> None:
+        """Forget the sharded gradient (a step skipped for non-finite gradients)."""
+        self.sharded.grad = None
+
+    def rebuild_full(self, dtype: torch.dtype) -> None:
+        """Note [all-gather extensions]: the full parameter, as fsdp_post_all_gather makes it from
+        what the gather brought."""
+        self.unsharded = self.extension.rebuild(self.sharded._local_tensor, dtype, self.global_shape,
+                                                self.sharded.requires_grad)
 
     def full_grad_bytes(self) -> int:
         """Bytes of full gradient this rank holds for the parameter."""

@@ -83,6 +83,18 @@ class Stats:
         setattr(self, kind + "_bytes", getattr(self, kind + "_bytes") + nbytes)
         self.per_unit[unit][kind + "s"] += 1
 
+    def waited(self, seconds: float) -> None:
+        """The host was blocked on communication for `seconds`."""
+        self.wait_s += seconds
+
+    def finished_step(self) -> None:
+        """A backward pass finished."""
+        self.steps += 1
+
+    def skipped_step(self) -> None:
+        """The step's gradients were dropped for being non-finite."""
+        self.skipped_steps += 1
+
     def full_params(self, delta: int) -> None:
         self.full_param_bytes += delta
         self.peak_full_param_bytes = max(self.peak_full_param_bytes, self.full_param_bytes)

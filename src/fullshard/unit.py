@@ -79,13 +79,14 @@ class ShardState(Enum):
     FULL = auto()  # the modules hold the full parameters
 
 
-@dataclass
+@dataclass(frozen=True)
 class OwnedParam:
-    """A parameter a unit will manage, with every place it is registered."""
+    """A parameter a unit will manage, with every place it is registered (made by fully_shard's
+    init steps, each a new record)."""
 
     param: nn.Parameter
     fqn: str  # relative to the unit's module
-    slots: list[tuple[nn.Module, str]]
+    slots: tuple[tuple[nn.Module, str], ...]
     dim: int = 0  # the dim it is split along (FSDP2's shard_placement_fn, Note [another dim])
     view: tuple[DTensorSpec, frozenset[int]] | None = None  # Note [SPMD meshes]: its spec there, the dp dims
     mesh: object = None  # a DeviceMesh of its own (FSDP2's ShardPlacementResult, Note [meshes of one call]); None: the call's
@@ -211,7 +212,7 @@ class Unit:
         self.reduced = False
         self.reshard()
         for p in self.params:
-            p.unsharded.grad = p.accumulated = None
+            p.drop_full_grad()
         self.count_full_grads(0)
 
     def move(self, to: ShardState, *starts: ShardState) -> None:
@@ -348,7 +349,7 @@ class Unit:
             start = time.perf_counter()
             with labelled(f"fullshard::wait gather {self.fqn}"):
                 self.finish_gather()
-            self.stats.wait_s += time.perf_counter() - start
+            self.stats.waited(time.perf_counter() - start)
             runtime.active.reads(self.full_flat)  # forward and backward compute with it
             with torch.no_grad():
                 for p, dtype in zip(self.params, self.full_dtypes):
@@ -357,8 +358,7 @@ class Unit:
                         runtime.active.copy_(p.local_shard(), local_values(p.unsharded))
                 for p, dtype, quantizer in zip(self.params, self.full_dtypes, self.quantized):
                     if p.extension is not None:  # Note [all-gather extensions]
-                        p.unsharded = p.extension.rebuild(p.sharded._local_tensor, dtype, p.global_shape,
-                                                          p.sharded.requires_grad)
+                        p.rebuild_full(dtype)
                     elif quantizer is not None and quantizer.outputs and not self.gathering_small:
                         quantizer.dequantize(p.full_padded, self.group.world)  # Note [int8 gathers]
         for p in self.params:  # ShardedParam.to_full, inline: once per parameter per gather
@@ -676,7 +676,7 @@ class Unit:
                 shard = finish_reduce(pending, self.pool)  # [grad_shard_numel + n_flags], on the compute stream
             except CollectiveError as e:
                 raise self.failed("reduce-scatter", e) from None
-        self.stats.wait_s += time.perf_counter() - start
+        self.stats.waited(time.perf_counter() - start)
         rt = runtime.active
         rt.reads(shard)
         if self.switches.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
