@@ -49,3 +49,26 @@ def test_every_library_file_is_in_the_layer_picture_and_imports_only_layers_belo
             if name in ("cli", "testing") or layers.get(name, 99) >= layers[path.stem]:
                 wrong.append(f"{path.name}:{line} ({layers[path.stem]}) imports {name} ({layers.get(name)})")
     assert not wrong, wrong
+
+
+# torch.distributed's collectives, and DTensor's methods that run one
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+               "isend", "irecv", "batch_isend_irecv", "broadcast_object_list", "monitored_barrier", "full_tensor",
+               "redistribute"}
+ONLY_ON_DIST = {"broadcast", "barrier", "gather", "scatter", "reduce", "send", "recv"}  # common names elsewhere
+
+
+def test_collectives_are_issued_from_collectives_py_only():
+    # README: collectives.py holds every collective, each waited for under a deadline
+    found = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name == "collectives.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name, owner = node.func.attr, node.func.value
+                on_dist = isinstance(owner, ast.Name) and owner.id == "dist"
+                if name in COLLECTIVES or (name in ONLY_ON_DIST and on_dist):
+                    found.append(f"{path.name}:{node.lineno} {name}")
+    assert not found, found

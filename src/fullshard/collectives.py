@@ -578,6 +578,12 @@ def redistribute(value, placements: tuple):
     return value.redistribute(placements=placements)
 
 
+def full_tensor(value):
+    """A DTensor whole on every rank of its mesh (every rank of it must call): DTensor's own
+    all-gather, under its process groups' timeout, as redistribute."""
+    return value.full_tensor()
+
+
 def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup, caller: Caller) -> int:
     """Sum `tensors` in place over `group`, packed into one all-reduce; returns the bytes this rank sent."""
     rt = runtime.active

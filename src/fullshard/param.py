@@ -58,6 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from fullshard.collectives import full_tensor
 from fullshard.errors import fail
 from fullshard.extension import Extension, has_extension
 from fullshard.mesh import ShardGroup, spmd_layout
@@ -234,7 +235,7 @@ class ShardedParam:
         """A full value (of the parameter or its optimizer state) as a plain tensor of the
         parameter's shape: gathered over the TP mesh (every rank of it must call), under the
         process group's timeout as tensor parallelism's own collectives are."""
-        return self.on_tp_mesh(full_local).full_tensor() if self.tp_mesh is not None else full_local
+        return full_tensor(self.on_tp_mesh(full_local)) if self.tp_mesh is not None else full_local
 
     def tp_part(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's TP part of a value of the parameter's whole shape (no communication)."""
@@ -251,7 +252,7 @@ class ShardedParam:
         (a strided view for Note [another dim]), added to what `hold_grad` kept. A TP gradient
         still a partial sum over the TP ranks (a replicated weight applied to sequence-parallel
         activations) is summed over them first, by `redistribute` (collectives.redistribute:
-        this file communicates nothing itself)."""
+        this file issues no collective itself)."""
         grad = self.unsharded.grad
         if isinstance(grad, DTensor):
             want = self.tp_placements  # e.g. from Partial()
@@ -373,7 +374,7 @@ class ShardedParam:
         if isinstance(full, DTensor):
             mesh, placements = self.forward_layout()
             same = full.device_mesh == mesh and tuple(full.placements) == placements
-            full = full.to_local() if same else self.tp_part(full.full_tensor())
+            full = full.to_local() if same else self.tp_part(full_tensor(full))
         elif self.tp_mesh is not None:
             full = self.tp_part(full)
         return full if self.replicated else self.rows(full)[self.first_row : self.first_row + self.local_shape[0]]

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard import runtime
+from fullshard.collectives import full_tensor
 from fullshard.errors import fail, require
 from fullshard.hooks import normal_tensors, units_of, units_under
 from fullshard.mesh import compute_device
@@ -113,7 +114,7 @@ def full_value(value: DTensor, device: torch.device) -> torch.Tensor:
     if moved is not local:
         value = DTensor.from_local(moved, value.device_mesh, value.placements, run_check=False, shape=value.shape,
                                    stride=value.stride())
-    return value.full_tensor()
+    return full_tensor(value)
 
 
 def full_state_value(value: DTensor, unit: Unit, param: ShardedParam, what: str) -> torch.Tensor:
@@ -221,7 +222,7 @@ def load_model_state(model: nn.Module, model_sd: Mapping[str, torch.Tensor]) -> 
             done.add(id(entry))
             value = model_sd[name]
             if not isinstance(entry, ShardedParam):
-                value_of(entry).copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+                value_of(entry).copy_(full_tensor(value) if isinstance(value, DTensor) else value)
             else:
                 entry.write_back(value)
     reshard_all(model)
