@@ -1,4 +1,4 @@
-"""When units gather, free and reduce: module hooks, autograd hooks and the final backward callback.
+"""When units gather, free and reduce: module hooks and autograd hooks (the Root's final callback ends backward).
 
 # Note [backward triggers]: a unit's backward starts when a gradient reaches any of its
 # forward outputs (a hook on each output tensor gathers the parameters), and ends when
@@ -68,18 +68,12 @@ from enum import Enum, auto
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
-from fullshard import runtime
-from fullshard.collectives import BufferPool, all_gather_ints
 from fullshard.errors import fail
 from fullshard.options import Schedule
-from fullshard.runtime import CollectiveError, labelled
-from fullshard.schedule import Scheduler
-from fullshard.stats import Stats
-from fullshard.unit import ShardState, Unit
+from fullshard.root import Root
+from fullshard.unit import Unit
 
 HOOKS_ATTR = "_fullshard_hooks"
 
@@ -220,144 +214,6 @@ class PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class RootContext:
-    """What the units under one root share: the scheduler, buffers, stats, final callback."""
-
-    def __init__(self, units: list[UnitHooks], schedule: Schedule) -> None:
-        self.units = units
-        self.scheduler = Scheduler(schedule)
-        self.pool = BufferPool()
-        self.stats = Stats()
-        self.callback_queued = False
-        self.step = 0  # backward passes finished
-        self.checked_first_forward = False
-
-    def start_forward(self) -> None:
-        """The root's forward begins: the step counts on, and parameters assigned in the shards'
-        place since the last forward are taken (Note [replaced parameters])."""
-        self.scheduler.start_forward()
-        evaluating = not torch.is_grad_enabled()
-        for hooks in self.units:
-            unit = hooks.unit
-            unit.begin_forward(self.step + 1, evaluating)
-            if unit.state is not ShardState.FULL:
-                unit.adopt_replaced()
-
-    def check_first_forward(self, root: Unit) -> None:
-        """Before the first gather: every rank runs this forward, and all with gradients or all
-        without. The usual first mistake, evaluating on rank 0 alone before training, then
-        fails here at once on every rank, instead of after the timeout (one small all-gather
-        per model, once)."""
-        if root.group.shard_pg is None:  # no gathers to mismatch
-            return
-        try:
-            modes = [grad for (grad,) in all_gather_ints([torch.is_grad_enabled()], device=root.group.device,
-                                                         timeout=root.timeout, group=root.group.shard_pg)]
-        except CollectiveError as e:
-            raise root.failed("check of the first forward", e) from None
-        if len(set(modes)) > 1:
-            seen = "; ".join(f"rank {r}: {'training (with gradients)' if grad else 'without gradients (evaluation)'}"
-                             for r, grad in enumerate(modes))
-            raise fail(f"ranks run their first forward differently ({seen})",
-                       "Every rank must run every forward of a sharded model, since each gathers parameters from "
-                       "all ranks: evaluate on every rank (average the losses with dist.all_reduce), or on rank 0 "
-                       "alone inside `with fullshard.full_params(model, rank0_only=True, writeback=False):`, "
-                       "which every rank enters.")
-
-    # ---- backward ---------------------------------------------------------------------
-
-    def reduce_issued(self, hooks: UnitHooks) -> None:
-        """`hooks`' reduction is in flight: wait for the one issued before it."""
-        if self.reducing is not None and self.reducing is not hooks:
-            self.reducing.unit.finish_reduce()
-        self.reducing = hooks
-
-    def queue_final_callback(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            for hooks in self.units:
-                hooks.unit.begin_backward()
-            Variable._execution_engine.queue_callback(self.final_callback)
-
-    def final_callback(self) -> None:
-        """End of backward: reduce what no PostBackward reduced, reshard every unit, and land
-        the gradients that waited for the host (Note [landing])."""
-        with labelled("fullshard::final_callback"):
-            for hooks in reversed(self.units):  # issue every reduction left, then wait: they overlap
-                hooks.finish_backward()
-            for hooks in reversed(self.units):
-                hooks.unit.finish_reduce()
-            reduced = any(hooks.unit.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
-            if any(hooks.unit.unlanded for hooks in self.units):  # the one host sync, Note [host syncs]
-                self.host_waits("the gradients copied to host memory")
-            for hooks in self.units:
-                hooks.unit.land_queued()
-            if [hooks.unit.settle_all_reduce() for hooks in self.units].count(True):
-                self.host_waits("the gradients all-reduced across replicas")  # once for every unit
-        self.scheduler.end_backward()
-        self.callback_queued = False
-        self.stats.finished_step()
-        self.step += 1
-        self.pool.release()  # forward's activations may reuse that memory
-        if reduced:  # a backward under no_sync has nothing new to check
-            self.settle_nonfinite()
-
-    def host_waits(self, what: str) -> None:
-        """The host waits for the compute stream (Note [host syncs]), bounded by the root's timeout."""
-        unit = self.units[0].unit
-        try:
-            runtime.active.host_waits(unit.compute_device, timeout=unit.timeout,
-                                      what=f"{what} at the end of backward of step {self.step}")
-        except CollectiveError as e:
-            raise unit.failed("end of backward", e) from None
-
-    def settle_nonfinite(self) -> None:
-        """With a non-finite policy on some unit, every rank learns whether any rank's reduced
-        gradient had an inf or NaN, and all raise (if that unit's policy on any rank is "raise")
-        or all skip the step (no gradients). Ranks may run other units (pipeline stages), so
-        each reports a code, 2 x its first such unit's index + 1 if its policy raises. One read
-        of the device flags per backward that reduced (Note [host syncs])."""
-        checked = [hooks.unit for hooks in self.units if hooks.unit.switches.nonfinite is not None]
-        if not checked:
-            return
-        unit = self.units[0].unit
-        bad = torch.full((1,), -1, dtype=torch.int64, device=unit.compute_device)  # first unit not finite, or -1
-        for other in reversed(checked):
-            if other.finite is not None:
-                bad = torch.where(other.finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
-            other.clear_finite()
-        try:
-            codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout)]
-        except CollectiveError as e:
-            raise unit.failed("non-finite check", e) from None
-        if all(code < 0 for code in codes):
-            return
-        for hooks in self.units:  # skipped, or cleared before raising: a caller that catches the error and
-            for p in hooks.unit.params:  # steps anyway must not write inf/NaN into the parameters
-                p.drop_grad()
-        if not any(code >= 0 and code % 2 for code in codes):
-            self.stats.skipped_step()
-            return
-        mine = codes[dist.get_rank()]
-        where = f"unit {unit.names[mine // 2]!r}" if mine >= 0 else \
-            f"a unit of rank {next(r for r, code in enumerate(codes) if code >= 0)}"
-        raise fail(f"the gradient of {where} at step {self.step} is not finite (inf or NaN) after reduction",
-                   "Lower the learning rate, train in bf16/fp32 or with loss scaling (fullshard.GradScaler for "
-                   "fp16), or call model.set_nonfinite_grads('skip') to skip such steps on every rank.")
-
-    def recover(self) -> None:
-        """A backward that raised never ran the final callback: start the next step clean."""
-        if self.callback_queued:
-            self.reset()
-
-    def reset(self) -> None:
-        """Drop the step in flight: every unit sharded, no gather or reduction pending, no full gradient."""
-        for hooks in self.units:
-            hooks.reset()
-        self.scheduler.end_backward()
-        self.callback_queued = False
-
-
 # Note [module groups]: fully_shard([m1, m2]) makes one unit of several modules, as FSDP2
 # does (e.g. a final norm and the output head): every member carries the unit's hooks. The
 # first member to start its forward gathers (and its inputs carry the PostBackward that
@@ -368,12 +224,13 @@ class RootContext:
 
 
 class UnitHooks:
-    """The hooks of one unit; the root's also owns the RootContext (Note [backward triggers])."""
+    """The hooks of one unit (Note [backward triggers]); at lazy init the outermost unit's make
+    the Root every unit's hooks under it share."""
 
     def __init__(self, unit: Unit, schedule: Schedule) -> None:
         self.unit = unit
         self.schedule = schedule  # the root's applies to every unit under it (its Scheduler's)
-        self.ctx: RootContext | None = None
+        self.root: Root | None = None
         self.is_root = False
         self.phase = Phase.IDLE
         self.needs_reduce = False
@@ -386,18 +243,18 @@ class UnitHooks:
             module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self.post_forward)
 
-    def lazy_init(self) -> RootContext:
+    def lazy_init(self) -> Root:
         """On the first forward, the outermost unit becomes the root of every unit below it."""
-        if self.ctx is None:
+        if self.root is None:
             names = {module: name for name, module in self.unit.module.named_modules()}
             units = list(dict.fromkeys(hooks for module in names for hooks in hooks_on(module)))
-            ctx = RootContext(units, self.schedule)
+            root = Root(units, self.schedule)
             fqns = [names[hooks.unit.module] or "<root>" for hooks in units]
             for index, hooks in enumerate(units):
-                hooks.ctx = ctx
+                hooks.root = root
                 hooks.is_root = hooks is self
-                hooks.unit.join(fqns[index], index, fqns, ctx.pool, ctx.stats)
-        return self.ctx
+                hooks.unit.join(fqns[index], index, fqns, root.pool, root.stats)
+        return self.root
 
     def set_prefetch_targets(self, *, forward: list[Unit] | None = None, backward: list[Unit] | None = None) -> None:
         """FSDP2's set_modules_to_forward_prefetch / _backward_prefetch: explicit lists (one side at a time)."""
@@ -414,7 +271,7 @@ class UnitHooks:
     @torch.compiler.disable  # Note [compiled modules]
     @normal_tensors
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        ctx = self.lazy_init()
+        root = self.lazy_init()
         if self.shown is not None:  # Note [forward inside full_params]
             if not self.shown:
                 raise fail("a forward ran inside full_params(rank0_only=True) on a rank other than 0, which holds "
@@ -429,13 +286,11 @@ class UnitHooks:
             return args, kwargs
         self.to_run = set(self.members)
         if self.is_root:
-            ctx.recover()
-            ctx.start_forward()
-            if not ctx.checked_first_forward:
-                ctx.check_first_forward(self.unit)
-                ctx.checked_first_forward = True
+            root.recover()
+            root.start_forward()
+            root.check_first_forward(self.unit)
         self.phase = Phase.FORWARD
-        scheduler = ctx.scheduler
+        scheduler = root.scheduler
         scheduler.record(self.unit)
         self.unit.unshard(adopt=False)  # the root's start_forward scanned, Note [replaced parameters]
         scheduler.prefetch_forward(self.unit, self.forward_targets)
@@ -474,13 +329,13 @@ class UnitHooks:
             return output
         self.phase = Phase.IDLE
         if self.is_root:
-            self.ctx.scheduler.drop_unused_prefetches()
+            self.root.scheduler.drop_unused_prefetches()
         if not torch.is_grad_enabled():
             self.unit.reshard()
             return output
         options = self.unit.options
         if options.free_after_forward and not self.is_root and \
-                not (options.keep_last and self.ctx.scheduler.ran_last(self.unit)):  # Note [kept after forward]
+                not (options.keep_last and self.root.scheduler.ran_last(self.unit)):  # Note [kept after forward]
             self.unit.free_after_forward()
         self.hook_backward(output)
         return output
@@ -493,10 +348,10 @@ class UnitHooks:
 
     @torch.compiler.disable  # Note [compiled modules]
     def pre_backward(self, grad: torch.Tensor) -> None:
-        self.ctx.queue_final_callback()
+        self.root.queue_final_callback()
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
-            scheduler, unshard = self.ctx.scheduler, self.unit.switches.unshard_in_backward
+            scheduler, unshard = self.root.scheduler, self.unit.switches.unshard_in_backward
             scheduler.record(self.unit)
             if unshard:
                 self.unit.unshard(adopt=False)
@@ -506,7 +361,7 @@ class UnitHooks:
                 self.unit.wait_unshard(adopt=False)
 
     def post_backward(self) -> None:
-        scheduler = self.ctx.scheduler
+        scheduler = self.root.scheduler
         if scheduler.schedule.prefetch_after_backward:
             scheduler.prefetch_backward(self.unit, self.backward_targets)
         self.unit.post_backward()

@@ -224,11 +224,11 @@ class FSDPModule(TorchFSDPModule):
         reductions in flight and the step's full gradients, so the next step runs normally.
         Call it on the root (the outermost unit)."""
         hooks = unit_hooks(self)
-        if hooks.ctx is not None and not hooks.is_root:
+        if hooks.root is not None and not hooks.is_root:
             raise fail("reset_iter_state() was called on a unit that is not the root",
                        "Call it on the outermost sharded module (the one whose forward you call).")
-        if hooks.ctx is not None:
-            hooks.ctx.reset()
+        if hooks.root is not None:
+            hooks.root.reset()
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce this unit's gradients with sums only (``True``), dividing afterwards, never NCCL's

@@ -1,0 +1,154 @@
+"""Root: the units under one root, as one step runs them: the start of each forward, the
+final callback at the end of backward (Note [backward triggers], hooks.py), and what every
+unit under the root shares (scheduler, buffers, statistics)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from fullshard import runtime
+from fullshard.collectives import BufferPool, all_gather_ints
+from fullshard.errors import fail
+from fullshard.options import Schedule
+from fullshard.runtime import CollectiveError, labelled
+from fullshard.schedule import Scheduler
+from fullshard.stats import Stats
+from fullshard.unit import ShardState, Unit
+
+
+class Root:
+    """What the units under one root share (the scheduler, buffers, stats) and what happens once
+    per step for all of them: the start of forward, the final callback of backward."""
+
+    def __init__(self, units: list, schedule: Schedule) -> None:
+        self.units = units  # every unit's UnitHooks (hooks.py, which makes the root), the root's first
+        self.scheduler = Scheduler(schedule)
+        self.pool = BufferPool()
+        self.stats = Stats()
+        self.callback_queued = False
+        self.step = 0  # backward passes finished
+        self.checked_first_forward = False
+
+    def start_forward(self) -> None:
+        """The root's forward begins: the step counts on, and parameters assigned in the shards'
+        place since the last forward are taken (Note [replaced parameters])."""
+        self.scheduler.start_forward()
+        evaluating = not torch.is_grad_enabled()
+        for hooks in self.units:
+            unit = hooks.unit
+            unit.begin_forward(self.step + 1, evaluating)
+            if unit.state is not ShardState.FULL:
+                unit.adopt_replaced()
+
+    def check_first_forward(self, root: Unit) -> None:
+        """Before the first gather: every rank runs this forward, and all with gradients or all
+        without. The usual first mistake, evaluating on rank 0 alone before training, then
+        fails here at once on every rank, instead of after the timeout (one small all-gather
+        per model, once)."""
+        if self.checked_first_forward:
+            return
+        self.checked_first_forward = True
+        if root.group.shard_pg is None:  # no gathers to mismatch
+            return
+        try:
+            modes = [grad for (grad,) in all_gather_ints([torch.is_grad_enabled()], device=root.group.device,
+                                                         timeout=root.timeout, group=root.group.shard_pg)]
+        except CollectiveError as e:
+            raise root.failed("check of the first forward", e) from None
+        if len(set(modes)) > 1:
+            seen = "; ".join(f"rank {r}: {'training (with gradients)' if grad else 'without gradients (evaluation)'}"
+                             for r, grad in enumerate(modes))
+            raise fail(f"ranks run their first forward differently ({seen})",
+                       "Every rank must run every forward of a sharded model, since each gathers parameters from "
+                       "all ranks: evaluate on every rank (average the losses with dist.all_reduce), or on rank 0 "
+                       "alone inside `with fullshard.full_params(model, rank0_only=True, writeback=False):`, "
+                       "which every rank enters.")
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            for hooks in self.units:
+                hooks.unit.begin_backward()
+            Variable._execution_engine.queue_callback(self.final_callback)
+
+    def final_callback(self) -> None:
+        """End of backward: reduce what no PostBackward reduced, reshard every unit, and land
+        the gradients that waited for the host (Note [landing])."""
+        with labelled("fullshard::final_callback"):
+            for hooks in reversed(self.units):  # issue every reduction left, then wait: they overlap
+                hooks.finish_backward()
+            for hooks in reversed(self.units):
+                hooks.unit.finish_reduce()
+            reduced = any(hooks.unit.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
+            if any(hooks.unit.unlanded for hooks in self.units):  # the one host sync, Note [host syncs]
+                self.host_waits("the gradients copied to host memory")
+            for hooks in self.units:
+                hooks.unit.land_queued()
+            if [hooks.unit.settle_all_reduce() for hooks in self.units].count(True):
+                self.host_waits("the gradients all-reduced across replicas")  # once for every unit
+        self.scheduler.end_backward()
+        self.callback_queued = False
+        self.stats.finished_step()
+        self.step += 1
+        self.pool.release()  # forward's activations may reuse that memory
+        if reduced:  # a backward under no_sync has nothing new to check
+            self.settle_nonfinite()
+
+    def host_waits(self, what: str) -> None:
+        """The host waits for the compute stream (Note [host syncs]), bounded by the root's timeout."""
+        unit = self.units[0].unit
+        try:
+            runtime.active.host_waits(unit.compute_device, timeout=unit.timeout,
+                                      what=f"{what} at the end of backward of step {self.step}")
+        except CollectiveError as e:
+            raise unit.failed("end of backward", e) from None
+
+    def settle_nonfinite(self) -> None:
+        """With a non-finite policy on some unit, every rank learns whether any rank's reduced
+        gradient had an inf or NaN, and all raise (if that unit's policy on any rank is "raise")
+        or all skip the step (no gradients). Ranks may run other units (pipeline stages), so
+        each reports a code, 2 x its first such unit's index + 1 if its policy raises. One read
+        of the device flags per backward that reduced (Note [host syncs])."""
+        checked = [hooks.unit for hooks in self.units if hooks.unit.switches.nonfinite is not None]
+        if not checked:
+            return
+        unit = self.units[0].unit
+        bad = torch.full((1,), -1, dtype=torch.int64, device=unit.compute_device)  # first unit not finite, or -1
+        for other in reversed(checked):
+            if other.finite is not None:
+                bad = torch.where(other.finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
+            other.clear_finite()
+        try:
+            codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout)]
+        except CollectiveError as e:
+            raise unit.failed("non-finite check", e) from None
+        if all(code < 0 for code in codes):
+            return
+        for hooks in self.units:  # skipped, or cleared before raising: a caller that catches the error and
+            for p in hooks.unit.params:  # steps anyway must not write inf/NaN into the parameters
+                p.drop_grad()
+        if not any(code >= 0 and code % 2 for code in codes):
+            self.stats.skipped_step()
+            return
+        mine = codes[dist.get_rank()]
+        where = f"unit {unit.names[mine // 2]!r}" if mine >= 0 else \
+            f"a unit of rank {next(r for r, code in enumerate(codes) if code >= 0)}"
+        raise fail(f"the gradient of {where} at step {self.step} is not finite (inf or NaN) after reduction",
+                   "Lower the learning rate, train in bf16/fp32 or with loss scaling (fullshard.GradScaler for "
+                   "fp16), or call model.set_nonfinite_grads('skip') to skip such steps on every rank.")
+
+    def recover(self) -> None:
+        """A backward that raised never ran the final callback: start the next step clean."""
+        if self.callback_queued:
+            self.reset()
+
+    def reset(self) -> None:
+        """Drop the step in flight: every unit sharded, no gather or reduction pending, no full gradient."""
+        for hooks in self.units:
+            hooks.reset()
+        self.scheduler.end_backward()
+        self.callback_queued = False
