@@ -77,7 +77,7 @@ def measure(sizes: tuple, names: tuple, strategy: str) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     params = {t.untyped_storage()._cdata for unit in units_under(model)
-              for t in [*unit.shards, *([unit.full_flat] if unit.full_flat is not None else [])]}
+              for t in [*unit.layout.shards, *([unit.layout.full_flat] if unit.layout.full_flat is not None else [])]}
     saved: dict[int, int] = {}  # storages autograd saves, as the planner counts them
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ def measure(sizes: tuple, names: tuple, strategy: str) -> dict:
             loss = model(x, y)
         loss.backward()
         intra, cross = s.intra_group_bytes, s.cross_group_bytes
-    shards = sum(t.numel() * t.element_size() for unit in units_under(model) for t in unit.shards)
+    shards = sum(t.numel() * t.element_size() for unit in units_under(model) for t in unit.layout.shards)
     states = sum(v.to_local().numel() * v.to_local().element_size() for state in optimizer.state.values()
                  for v in state.values() if isinstance(v, torch.distributed.tensor.DTensor))
     return {"intra": intra, "cross": cross, "tp": log.sent, "shards": shards, "optimizer": states,

@@ -257,7 +257,7 @@ def train_modelled(model: GPT, model_rt, precision: str, offload: bool, mode: st
     from tests.reference import global_batches, local_slice
 
     if offload:  # the shards live in host memory, as with a GPU
-        model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.shards])
+        model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
     scaler = fullshard.GradScaler("cpu", init_scale=2.0**8) if precision == "fp16" else None
     micro = 1 if mode in ("prefetch", "no_prefetch") else 2

@@ -36,7 +36,7 @@ def offload_nccl_job(strategy: str) -> list[str]:
     model_rt = StreamModel()
     with runtime.installed(model_rt), model_rt.tracking():
         model = build(strategy, "fp32", True, "prefetch", 2)
-        model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.shards])
+        model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         rank, world = dist.get_rank(), dist.get_world_size()
         for k, batch in enumerate(global_batches(token_batch, 2, 8)):

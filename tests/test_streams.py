@@ -127,7 +127,7 @@ def mixed_checker() -> dict[str, list[str]]:
             fullshard.fully_shard(model.inner, **options)
             fullshard.fully_shard(model, **options)
             if offload:
-                model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.shards])
+                model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards])
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
             for step in range(2):
                 for micro in range(2):
@@ -265,7 +265,7 @@ def background_save_violations(path: str) -> dict[str, list[str]]:
         model_rt = StreamModel(skip_waits=(skipped,) if skipped else ())
         with runtime.installed(model_rt), model_rt.tracking():
             model = build("full_shard", "fp32", False, "prefetch")
-            shards = [shard for unit in units_under(model) for shard in unit.shards]
+            shards = [shard for unit in units_under(model) for shard in unit.layout.shards]
             model_rt.writes(*shards)  # the step that produced them
             fullshard.save(path, model, block=False).result()
             model_rt.writes(*shards)  # the next step's optimizer

@@ -113,7 +113,7 @@ def planned_job() -> dict:
         model(x, y).backward()
     c = plan.chosen
     return {"sent": (s.intra_group_bytes, c.sent_intra), "cross": s.cross_group_bytes,
-            "shards": (sum(t.nbytes for unit in units_under(model) for t in unit.shards), c.memory["shards"])}
+            "shards": (sum(t.nbytes for unit in units_under(model) for t in unit.layout.shards), c.memory["shards"])}
 
 
 def test_the_planner_predicts_a_2d_steps_dp_bytes_and_shards_exactly(world4):

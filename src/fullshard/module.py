@@ -318,7 +318,7 @@ class FSDPModule(TorchFSDPModule):
             moved = [p.local_shard() for p in unit.params]  # a module group's members move their own in turn
             if any(p.extension is None and not local.is_meta and
                    local.untyped_storage()._cdata != shard.untyped_storage()._cdata
-                   for p, local, shard in zip(unit.params, moved, unit.shards)):
+                   for p, local, shard in zip(unit.params, moved, unit.layout.shards)):
                 device = next(local.device for local in moved if not local.is_meta)
                 unit.relayout(device=unit.group.device if unit.options.offload else device,
                               dtypes=[local.dtype for local in moved])

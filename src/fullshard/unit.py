@@ -20,15 +20,6 @@ it starts from (`move`).
 # the ranks per node), with the same code as a normal gather over k ranks whose shards
 # are world/k times longer. The copy is dropped once used, or at the next forward.
 
-# Note [bytes on the wire]: a unit's parameters may have several dtypes (a norm kept in
-# float32 among bf16 weights, frozen int8 weights beside trainable adapters). Each keeps
-# its own as its shard. With a param_dtype the floating ones are gathered and computed in
-# it, the gather's staging copy casting. Otherwise each full parameter has its master's
-# dtype, and when they differ the one gather moves bytes: every shard goes as the bytes of
-# its full dtype (cast first where a param_dtype applies: an integer parameter keeps its
-# own), and the full storage is bytes, each parameter's block aligned for its dtype.
-# Gradients cannot be summed as bytes: the unit reduce-scatters once per reduce dtype.
-
 Between steps every unit is SHARDED with no collective in flight: the modules hold
 the DTensor shards, which is all the optimizer sees. While FULL, the modules hold the
 full parameters (plain tensors, or DTensors on a tensor-parallel or SPMD mesh), views of
@@ -48,7 +39,6 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard import runtime
@@ -59,6 +49,7 @@ from fullshard.errors import FullShardError, collective_failed, fail
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
 from fullshard.extension import has_extension
+from fullshard.layout import UnitLayout
 from fullshard.quantize import BlockQuantized
 from fullshard.param import ShardedParam, local_values, rows_first, shard_numel
 from fullshard.runtime import CollectiveError, labelled
@@ -127,11 +118,11 @@ class Unit:
         self.unlanded: list[tuple[list[ShardedParam], torch.Tensor, torch.Tensor]] = []  # Note [landing]
         self.pool = BufferPool()  # the root's pool after lazy init, shared by its units
         self.stats = Stats()  # likewise the root's
-        self.shard_numels = [shard_numel(rows_first(local_values(o.param).shape, o.dim), group.world) for o in owned]
-        self.extended = [has_extension(local_values(o.param)) for o in owned]  # Note [all-gather extensions]
-        self.set_master_dtypes([o.param.dtype for o in owned])
+        self.layout = UnitLayout([shard_numel(rows_first(local_values(o.param).shape, o.dim), group.world)
+                                  for o in owned], [has_extension(local_values(o.param)) for o in owned], group)
+        self.layout.set_dtypes([o.param.dtype for o in owned], options)
         self.compute_device = torch.device("meta") if any(o.param.is_meta for o in owned) else group.device
-        segments = self.allocate()
+        segments = self.layout.allocate(self.compute_device, options)
         self.params = [ShardedParam(o.param, o.slots, o.fqn, group, *segment, o.dim, o.view)
                        for o, segment in zip(owned, segments)]
         self.make_quantizers()
@@ -142,7 +133,7 @@ class Unit:
         LIVE_UNITS.add(self)
         self.pending: PendingGather | None = None  # while GATHERING
         self.pending_reduce: list[tuple[list[ShardedParam], bool, PendingReduce]] = []  # one per reduce dtype
-        self.small_group = smaller_group(group, options.post_forward_world) if self.full_flat is not None else None
+        self.small_group = smaller_group(group, options.post_forward_world) if self.layout.full_flat is not None else None
         self.small: torch.Tensor | None = None  # Note [smaller world after forward]
         self.gathering_small = False
         self.unset: set[str] = set()  # parameters of a meta-built unit that assign=True loads have not reached
@@ -178,13 +169,13 @@ class Unit:
             self.compute_device = device
             self.unset = set()
             if dtypes is not None:
-                self.set_master_dtypes(dtypes)
-            for p, segment in zip(self.params, self.allocate()):
+                self.layout.set_dtypes(dtypes, self.options)
+            for p, segment in zip(self.params, self.layout.allocate(device, self.options)):
                 p.rebind(*segment)
             self.make_quantizers()
             self.release_storage()
         self.small_group = smaller_group(self.group, self.options.post_forward_world) \
-            if self.full_flat is not None else None
+            if self.layout.full_flat is not None else None
 
     def join(self, fqn: str, index: int, names: list[str], pool: BufferPool, stats: Stats) -> None:
         """Lazy init: the root names the unit and shares its buffers and statistics with it."""
@@ -223,69 +214,13 @@ class Unit:
 
     # ---- storage -----------------------------------------------------------------
 
-    def set_master_dtypes(self, dtypes: list[torch.dtype]) -> None:
-        """The shards' dtypes (each parameter's own) and what the policy makes of them: each full
-        parameter's dtype (param_dtype, else its master's), each gradient's reduce dtype, and the
-        dtype a gather moves (Note [bytes on the wire])."""
-        self.master_dtypes = dtypes
-        param_dtype = self.options.param_dtype  # for floating-point parameters: an integer one stays as it is
-        self.full_dtypes = [param_dtype if param_dtype and dtype.is_floating_point else dtype for dtype in dtypes]
-        self.reduce_dtypes = [self.options.reduce_dtype or dtype for dtype in self.full_dtypes]
-        self.reduce_groups = list(dict.fromkeys(self.reduce_dtypes))  # one reduce-scatter each
-        one = set(self.full_dtypes)
-        # whether some parameter goes on the wire as something else than its full dtype (Note
-        # [all-gather extensions], Note [int8 gathers]); then the gather moves bytes
-        self.transformed = any(self.extended) or self.options.gather_block is not None
-        self.wire_dtype = one.pop() if len(one) == 1 and not self.transformed else torch.uint8 if one else \
-            torch.float32
-        self.extension_policy = TorchMixedPrecisionPolicy(  # what FSDP2 gives fsdp_pre_all_gather
-            param_dtype=self.options.param_dtype, reduce_dtype=self.options.reduce_dtype,
-            output_dtype=self.options.output_dtype, cast_forward_inputs=self.options.input_dtype is not None)
-        self.wire_numels = [numel * dtype.itemsize // self.wire_dtype.itemsize  # per rank, per parameter
-                            for numel, dtype in zip(self.shard_numels, self.full_dtypes)]
-
     def make_quantizers(self) -> None:
         """Note [int8 gathers]: a quantizer for each floating-point parameter of more than 0 dims
         (None for the others), when the options ask for int8 gathers."""
         block = self.options.gather_block
         self.quantized = [BlockQuantized(numel, block, self.compute_device)
                           if block is not None and dtype.is_floating_point and not p.replicated and p.extension is None
-                          else None for p, numel, dtype in zip(self.params, self.shard_numels, self.master_dtypes)]
-
-    def on_wire(self, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Full tensors (one per parameter, in its full dtype) as a gather moves them: as they
-        are, or as their bytes (Note [bytes on the wire])."""
-        return fulls if self.wire_dtype != torch.uint8 else [t.view(torch.uint8) for t in fulls]
-
-    def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """New flat storage for the shards (the masters) and the full parameters; returns
-        each parameter's (shard segment, full segment)."""
-        group, options = self.group, self.options
-        meta = self.compute_device.type == "meta"
-        shard_device = torch.device("cpu") if options.offload and not meta else self.compute_device
-        pin = options.pin_memory and shard_device.type == "cpu" and self.compute_device.type == "cuda"
-        self.shards = [torch.zeros(0 if ext else numel, dtype=dtype, device=shard_device, pin_memory=pin)
-                       for numel, dtype, ext in zip(self.shard_numels, self.master_dtypes, self.extended)]
-        # each [shard_numel]; an extension parameter's shard is a tensor of its own (Note [all-gather extensions])
-        # Note [stable full params]: one storage for every full parameter of the unit;
-        # none when they can be the shards themselves (one rank, same dtype, same memory:
-        # a CPU-offloaded shard is host memory, which a GPU does not compute with)
-        same = (group.shard_pg is None and self.full_dtypes == self.master_dtypes and not any(self.extended)
-                and not runtime.active.separate_memory(shard_device, self.compute_device, offloaded=options.offload))
-        if same:
-            self.full_flat, self.full_bytes = None, 0
-            return [(shard, None) for shard in self.shards]
-        starts, end = [], 0  # each parameter's block of bytes, [world * shard_numel] of its full dtype
-        for numel, dtype, ext in zip(self.shard_numels, self.full_dtypes, self.extended):
-            numel = 0 if ext else numel
-            size = dtype.itemsize
-            starts.append(-(-end // size) * size)  # aligned for its dtype (only mixed dtypes need it)
-            end = starts[-1] + group.world * numel * size
-        self.full_flat = torch.empty(end, dtype=torch.uint8, device=self.compute_device)  # [unit full bytes]
-        self.full_bytes = self.full_flat.untyped_storage().nbytes()
-        return [(shard, None if ext else self.full_flat[start : start + group.world * numel * dtype.itemsize].view(dtype))
-                for shard, start, numel, dtype, ext in zip(self.shards, starts, self.shard_numels, self.full_dtypes,
-                                                          self.extended)]
+                          else None for p, numel, dtype in zip(self.params, self.layout.shard_numels, self.layout.master_dtypes)]
 
     def release_storage(self) -> None:
         for p, quantizer in zip(self.params, self.quantized):
@@ -293,9 +228,7 @@ class Unit:
                 p.extension.free()
             if quantizer is not None:
                 quantizer.free()
-        if self.full_flat is not None:
-            runtime.active.freed(self.full_flat)
-            self.full_flat.untyped_storage().resize_(0)
+        self.layout.release()
 
     # ---- all-gather -------------------------------------------------------------
 
@@ -309,21 +242,21 @@ class Unit:
             self.adopt_replaced()  # before the gather reads the shards
         if self.unset or self.compute_device.type == "meta":
             self.check_has_values()
-        if self.full_flat is None:
+        if self.layout.full_flat is None:
             return
         if self.switches.debug:
             self.check_agreement(0)
         self.gathering_small = self.small is not None
-        source, group = ([self.small], self.small_group) if self.gathering_small else (self.shards, self.group.shard_pg)
-        as_bytes = self.wire_dtype == torch.uint8 and not self.gathering_small  # `small` is bytes already
-        kinds = self.full_dtypes
-        if self.transformed and not self.gathering_small:
+        source, group = ([self.small], self.small_group) if self.gathering_small else (self.layout.shards, self.group.shard_pg)
+        as_bytes = self.layout.wire_dtype == torch.uint8 and not self.gathering_small  # `small` is bytes already
+        kinds = self.layout.full_dtypes
+        if self.layout.transformed and not self.gathering_small:
             source, kinds = self.wire_inputs()
         with labelled(f"fullshard::gather {self.fqn}"):
-            self.full_flat.untyped_storage().resize_(self.full_bytes)  # on the compute stream, Note [streams]
-            runtime.active.allocated(self.full_flat)
-            self.stats.full_params(self.full_bytes)
-            self.pending = gather_full(source, group=group, dtype=self.wire_dtype, device=self.compute_device,
+            self.layout.full_flat.untyped_storage().resize_(self.layout.full_bytes)  # on the compute stream, Note [streams]
+            runtime.active.allocated(self.layout.full_flat)
+            self.stats.full_params(self.layout.full_bytes)
+            self.pending = gather_full(source, group=group, dtype=self.layout.wire_dtype, device=self.compute_device,
                                        pool=self.pool, caller=self.caller(0, "all-gather"),
                                        bytes_of=kinds if as_bytes else None)
         self.move(ShardState.GATHERING, ShardState.SHARDED)
@@ -345,18 +278,18 @@ class Unit:
         if adopt and self.state is ShardState.GATHERING:  # a prefetch: replaced parameters drop what it gathered
             self.adopt_replaced()
         self.unshard(adopt)  # adopts replaced parameters unless already gathering (a prefetch: scanned above)
-        if self.full_flat is not None:
+        if self.layout.full_flat is not None:
             start = time.perf_counter()
             with labelled(f"fullshard::wait gather {self.fqn}"):
                 self.finish_gather()
             self.stats.waited(time.perf_counter() - start)
-            runtime.active.reads(self.full_flat)  # forward and backward compute with it
+            runtime.active.reads(self.layout.full_flat)  # forward and backward compute with it
             with torch.no_grad():
-                for p, dtype in zip(self.params, self.full_dtypes):
+                for p, dtype in zip(self.params, self.layout.full_dtypes):
                     if p.replicated and p.sharded.dtype == dtype:  # every rank's copy equal to
                         # the one used, Note [shard layout]; offload: to the host, no wait
                         runtime.active.copy_(p.local_shard(), local_values(p.unsharded))
-                for p, dtype, quantizer in zip(self.params, self.full_dtypes, self.quantized):
+                for p, dtype, quantizer in zip(self.params, self.layout.full_dtypes, self.quantized):
                     if p.extension is not None:  # Note [all-gather extensions]
                         p.rebuild_full(dtype)
                     elif quantizer is not None and quantizer.outputs and not self.gathering_small:
@@ -406,7 +339,7 @@ class Unit:
         if self.state is ShardState.GATHERING:
             self.finish_gather()
             self.release_storage()
-            self.stats.full_params(-self.full_bytes)
+            self.stats.full_params(-self.layout.full_bytes)
         for p, new in replaced:
             p.adopt(new)
 
@@ -425,7 +358,7 @@ class Unit:
         shards, each extension parameter's fsdp_pre_all_gather tensors, each quantized one's
         int8 blocks and scales; and the dtype each goes as (its bytes)."""
         sources, kinds = [], []
-        for p, shard, dtype, quantizer in zip(self.params, self.shards, self.full_dtypes, self.quantized):
+        for p, shard, dtype, quantizer in zip(self.params, self.layout.shards, self.layout.full_dtypes, self.quantized):
             if quantizer is not None:
                 q, scales = quantizer.inputs(shard)
                 sources += [q, scales]
@@ -439,7 +372,7 @@ class Unit:
             if self.options.offload:
                 local = local.to(self.compute_device)
             inputs = p.extension.inputs(local, p.rows_per_shard, mesh=self.group.shard_mesh, outer=p.global_shape,
-                                        module=self.module, mp_policy=self.extension_policy)
+                                        module=self.module, mp_policy=self.layout.extension_policy)
             sources += inputs
             kinds += [t.dtype for t in inputs]
         return sources, kinds
@@ -499,8 +432,8 @@ class Unit:
         its own output buffers (Note [all-gather extensions], Note [int8 gathers]); `small`:
         for the gather inside the smaller group, where a quantized parameter's rows come as
         the full values kept after forward (Note [smaller world after forward])."""
-        if not self.transformed:
-            return self.on_wire([p.full_padded for p in self.params])
+        if not self.layout.transformed:
+            return self.layout.on_wire([p.full_padded for p in self.params])
         out = []
         for p, quantizer in zip(self.params, self.quantized):
             if p.extension is not None:
@@ -518,7 +451,7 @@ class Unit:
             first = self.small_group.rank() * block
             self.small = torch.cat([full.view(self.group.world, -1)[first : first + block].reshape(-1)
                                     for full in self.gather_targets(small=True)])
-            runtime.active.reads(self.full_flat)
+            runtime.active.reads(self.layout.full_flat)
             runtime.active.allocated(self.small)
             runtime.active.writes(self.small)
             self.stats.full_params(self.small.nbytes)
@@ -537,7 +470,7 @@ class Unit:
         if self.state is ShardState.GATHERING:  # a prefetch nobody used: finish it, then drop it
             self.finish_gather()
             self.release_storage()
-            self.stats.full_params(-self.full_bytes)
+            self.stats.full_params(-self.layout.full_bytes)
             return
         if self.state is ShardState.SHARDED:
             return
@@ -545,9 +478,9 @@ class Unit:
             shard = p.sharded
             for module, name in p.slots:
                 module._parameters[name] = shard
-        if self.full_flat is not None:
+        if self.layout.full_flat is not None:
             self.release_storage()
-            self.stats.full_params(-self.full_bytes)
+            self.stats.full_params(-self.layout.full_bytes)
         self.move(ShardState.SHARDED, ShardState.FULL)
 
     def gather_masters(self) -> list[torch.Tensor]:
@@ -561,9 +494,9 @@ class Unit:
         if self.unset:
             self.check_has_values()
         fulls = {}
-        for dtype in dict.fromkeys(self.master_dtypes):  # one gather per master dtype
-            mine = [i for i, d in enumerate(self.master_dtypes) if d == dtype]
-            values = self.gather_values([self.params[i] for i in mine], [self.shards[i] for i in mine], dtype,
+        for dtype in dict.fromkeys(self.layout.master_dtypes):  # one gather per master dtype
+            mine = [i for i, d in enumerate(self.layout.master_dtypes) if d == dtype]
+            values = self.gather_values([self.params[i] for i in mine], [self.layout.shards[i] for i in mine], dtype,
                                         "full parameters")
             fulls.update(zip(mine, values))
         return [fulls[i] for i in range(len(self.params))]
@@ -612,7 +545,7 @@ class Unit:
         if self.switches.sync_grads:
             self.reduce_grads()
         else:
-            for p, dtype in zip(self.params, self.reduce_dtypes):
+            for p, dtype in zip(self.params, self.layout.reduce_dtypes):
                 p.hold_grad(dtype, redistribute)
             self.count_full_grads()
         if self.switches.reshard_after_backward:
@@ -625,18 +558,18 @@ class Unit:
         reduce dtype when its gradients have several (Note [bytes on the wire]).
         """
         self.finish_reduce()  # a unit reduced twice in one backward (used twice in forward)
-        trainable = [(p, dtype) for p, dtype in zip(self.params, self.reduce_dtypes) if p.sharded.requires_grad]
+        trainable = [(p, dtype) for p, dtype in zip(self.params, self.layout.reduce_dtypes) if p.sharded.requires_grad]
         if not trainable:
             return
         group = self.group
         self.count_full_grads()
         full_grads = {p: p.full_grad(redistribute) for p, _ in trainable}
         rt = runtime.active
-        one = len(self.reduce_groups) == 1
+        one = len(self.layout.reduce_groups) == 1
         if self.switches.debug:
             self.check_agreement(1, sum(1 << i for i, g in enumerate(full_grads.values()) if g is not None) % (1 << 62))
         replicate = group.replicate_pg if self.switches.all_reduce_grads and not self.owes_all_reduce else None
-        for dtype in self.reduce_groups:
+        for dtype in self.layout.reduce_groups:
             grad_params = [p for p, _ in trainable] if one else [p for p, d in trainable if d == dtype]
             if not grad_params:
                 continue
