@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import fullshard
@@ -109,3 +110,23 @@ def test_a_script_that_ends_during_a_background_save_writes_it_first(world1, tmp
     assert Path(path, "LATEST").is_file()
     got = world1.run(read_exit_job, path=str(path))[0]
     assert got == {"meta": {"step": 7, "extra": None}, "values": [7.0]}
+
+
+def test_a_script_whose_last_background_save_fails_at_exit_exits_with_1(tmp_path):
+    disk = tmp_path / "disk"  # a tmpfs smaller than the checkpoint: the write fails in the thread
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"a tmpfs cannot be mounted here ({mounted.stderr.strip() or 'mount failed'}): this test needs "
+                    f"root in a mount namespace of its own")
+    try:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(EXITING), str(disk / "ckpt"),
+                               str(tmp_path / "store")], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": child_pythonpath()})
+        latest = Path(disk, "ckpt", "LATEST").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "fullshard: " in done.stderr and "No space left on device" in done.stderr, done.stderr[-2000:]
+    assert not latest

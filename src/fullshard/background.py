@@ -25,6 +25,7 @@ host buffers, then the checkpoint written by a thread of its own (Note [backgrou
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import weakref
@@ -95,12 +96,18 @@ _exit_registered = False
 
 
 def _wait_at_exit() -> None:
-    """A script may end right after save(block=False): its checkpoint is written first."""
+    """A script may end right after save(block=False): its checkpoint is written first. If that
+    fails, the error is printed and the process exits with status 1 at once, so that a
+    scheduler does not take the run for a success (the exit handlers registered before
+    fullshard's first background save, which would run after this one, are skipped)."""
     for handle in list(_in_flight):
         try:
             handle.result()
         except FullShardError as e:
             print(f"fullshard: {e}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
 
 # ---- staging copies -----------------------------------------------------------------------------
