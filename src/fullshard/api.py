@@ -105,8 +105,9 @@ def fully_shard(
             parallelism). While full, parameters are DTensors on that mesh again.
 
     Raises:
-        FullShardError: before anything changes, when the module is already sharded, a
-            parameter belongs to another unit, this rank is not in the mesh, ranks hold
+        FullShardError: before anything changes, on any argument fully_shard does not take
+            (each error says what and how to fix it), e.g. when the module is already sharded,
+            a parameter belongs to another unit, this rank is not in the mesh, ranks hold
             different parameters, or the parameters are on different devices.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]

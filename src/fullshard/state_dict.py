@@ -292,7 +292,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         optimizer: its optimizer, or None.
         model_sd: under the unwrapped model's names; full tensors or DTensors.
         optim_sd: ``{"state": {name: {...}}, "param_groups": [...]}``, or None.
-        full: whether the dicts hold full tensors (``False``: DTensor shards).
+        full: accepted for FSDP2's code; full tensors and DTensors load alike.
 
     Raises:
         FullShardError: before anything is copied, on names or shapes that do not fit.
