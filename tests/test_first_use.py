@@ -154,15 +154,18 @@ def test_top_down_sharding_says_bottom_up(world2):
 
 
 def rank0_eval_job() -> dict:
-    """nanoGPT's `if master_process: estimate_loss()` before the first step."""
+    """nanoGPT's `if master_process: estimate_loss()` before the first step, twice (a notebook
+    that caught the first error and ran the cell again)."""
     model = sharded_gpt()
     start = time.perf_counter()
-    if dist.get_rank() == 0:
-        with torch.no_grad():
-            error = raises(lambda: model(*batch()))
-    else:
-        error = raises(lambda: model(*batch()).backward())
-    return {"error": error, "seconds": time.perf_counter() - start}
+    errors = []
+    for _ in range(2):
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                errors.append(raises(lambda: model(*batch())))
+        else:
+            errors.append(raises(lambda: model(*batch()).backward()))
+    return {"errors": errors, "seconds": time.perf_counter() - start}
 
 
 def full_params_eval_job() -> dict:
@@ -185,7 +188,8 @@ def full_params_eval_job() -> dict:
 def test_evaluating_on_rank_0_alone_fails_at_once_and_full_params_is_the_way(world2):
     results = world2.run(rank0_eval_job)
     for got in results:
-        assert "first forward differently" in got["error"] and "rank0_only=True" in got["error"]
+        for error in got["errors"]:
+            assert "first forward differently" in error and "rank0_only=True" in error
         assert got["seconds"] < 10  # not after the 300 s timeout
     results = world2.run(full_params_eval_job)
     assert results[0]["got"] == 0.0 and "rank other than 0" in results[1]["got"]

@@ -25,6 +25,7 @@ host buffers, then the checkpoint written by a thread of its own (Note [backgrou
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -97,17 +98,32 @@ _exit_registered = False
 
 def _wait_at_exit() -> None:
     """A script may end right after save(block=False): its checkpoint is written first. If that
-    fails, the error is printed and the process exits with status 1 at once, so that a
-    scheduler does not take the run for a success (the exit handlers registered before
-    fullshard's first background save, which would run after this one, are skipped)."""
+    fails, the error is printed, and _exit_if_a_save_failed ends the process with status 1."""
+    global _failed_at_exit
     for handle in list(_in_flight):
         try:
             handle.result()
         except FullShardError as e:
             print(f"fullshard: {e}", file=sys.stderr)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            _failed_at_exit = True
+
+
+_failed_at_exit = False
+
+
+def _exit_if_a_save_failed() -> None:
+    """Registered when fullshard is imported, so it runs after the exit handlers registered since
+    (the process groups' release among them): status 1 after a background save failed at exit, so
+    that a scheduler does not take the run for a success. Handlers registered before fullshard's
+    import are skipped but logging's, which is flushed here."""
+    if _failed_at_exit:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+atexit.register(_exit_if_a_save_failed)
 
 
 # ---- staging copies -----------------------------------------------------------------------------

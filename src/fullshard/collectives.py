@@ -17,7 +17,7 @@ pending object at once) and a wait.
 # which gloo's worker threads run; larger ones point-to-point. Posting a point-to-point
 # receive or send makes the training thread wait for gloo's network thread, which on busy
 # cores costs up to milliseconds now and then; all_to_all leaves that wait to gloo's
-# threads, for an extra copy of the shard. On the tiny GPT of benchmarks/host_time.py
+# threads, for world - 1 extra copies of a gathered shard (one row per peer). On the tiny GPT of benchmarks/host_time.py
 # (units of 70-100 KB per rank), fullshard's step overhead over DDP was 9.4 ms point-to-
 # point and 3.1 ms all_to_all, alternated in one run (before the tags below). Between matrix products (gloo_collectives.py's last tables, world 2, mean
 # ms, gather / reduce-scatter): 100 KB shards, point-to-point 0.56 / 0.64, all_to_all
@@ -67,8 +67,9 @@ def wait_all(works: list, caller: Caller, *, on_device: bool) -> None:
 # message of the same size (which would be silent corruption): its peers wait, time
 # out, and raise an error naming the unit, the collective and the step. A collective
 # carries no tag, so each row of a small message on gloo (Note [collective choice]) ends
-# with its tag's STAMP_BITS bits, as elements 0 and 1 (exact in every dtype): a rank that
-# receives another unit's rows of the same size raises at once, naming both. (Rows of
+# with its tag's STAMP_BITS bits, as elements 0 and 1 (exact in every dtype but float8_e8m0fnu,
+# which has no 0: there a mismatch is still seen, its tag not read): a rank that receives
+# another unit's rows of the same size raises at once, naming both. (Rows of
 # another size make gloo abort the receiving process: "Received data size doesn't match
 # expected size"; set_debug_checks(True) names the units first.) On GPUs
 # waits do not block the host; runtime.HangWatch keeps the timeout there, and host
@@ -106,8 +107,10 @@ def check_stamps(stamps: torch.Tensor, tag: int) -> None:
 
 def all_to_all(sent: torch.Tensor, received: torch.Tensor, group: dist.ProcessGroup) -> list:
     """sent[r] to group rank r and received[r] from it (both [world, row]), as one collective
-    (Note [collective choice])."""
-    work = dist.all_to_all_single(received.view(-1), sent.view(-1), group=group, async_op=True)
+    (Note [collective choice]). It moves the rows' bytes: gloo's collectives take only some
+    dtypes (not float8 nor int16), point-to-point messages any."""
+    work = dist.all_to_all_single(received.view(torch.uint8).view(-1), sent.view(torch.uint8).view(-1), group=group,
+                                  async_op=True)
     return runtime.active.launched([work], reads=[sent], writes=[received])
 
 

@@ -47,10 +47,7 @@ class Root:
         without. The usual first mistake, evaluating on rank 0 alone before training, then
         fails here at once on every rank, instead of after the timeout (one small all-gather
         per model, once)."""
-        if self.checked_first_forward:
-            return
-        self.checked_first_forward = True
-        if root.group.shard_pg is None:  # no gathers to mismatch
+        if self.checked_first_forward or root.group.shard_pg is None:  # none: no gathers to mismatch
             return
         try:
             modes = [grad for (grad,) in all_gather_ints([torch.is_grad_enabled()], device=root.group.device,
@@ -65,6 +62,7 @@ class Root:
                        "all ranks: evaluate on every rank (average the losses with dist.all_reduce), or on rank 0 "
                        "alone inside `with fullshard.full_params(model, rank0_only=True, writeback=False):`, "
                        "which every rank enters.")
+        self.checked_first_forward = True  # only once it passed: a caller that catches the error is checked again
 
     # ---- backward ---------------------------------------------------------------------
 
