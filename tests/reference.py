@@ -167,9 +167,9 @@ class CollectiveLog(TorchDispatchMode):
     def sizes(self, prefix: str) -> list[int]:
         return sorted(numel for name, numel in self.calls if name.startswith(prefix))
 
-    def messages(self, world: int) -> list[int]:
+    def messages(self, world: int, itemsize: int) -> list[int]:
         """The elements of each message to one peer, sorted: every point-to-point send, and
-        each peer's row of every all_to_all less the unit's tag at its end (Note [named
-        hangs] in fullshard.collectives)."""
-        rows = [numel // world - STAMP_BITS for name, numel in self.calls if name.startswith("alltoall")]
+        each peer's row of every all_to_all (which moves the rows' bytes: `itemsize` bytes an
+        element) less the unit's tag at its end (Note [named hangs] in fullshard.collectives)."""
+        rows = [numel // itemsize // world - STAMP_BITS for name, numel in self.calls if name.startswith("alltoall")]
         return sorted(self.sizes("send") + rows * (world - 1))

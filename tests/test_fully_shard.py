@@ -105,7 +105,7 @@ def collectives_job(reshard_after_forward: bool) -> dict:
         # unit bytes x (N-1)/N per gather and per reduce-scatter (padded unit bytes: world x shard)
         "want_bytes": [4 * (world - 1) * sum(gathered), 4 * (world - 1) * sum(gathered),
                        4 * (world - 1) * sum(rows), 4 * (world - 1) * sum(rows), 0, 1],
-        "messages": log.messages(world),  # gloo: each collective is one message to each peer
+        "messages": log.messages(world, itemsize=4),  # gloo: each collective is one message to each peer
         "want_messages": sorted((gathered + rows) * (world - 1)),
     }
 
