@@ -111,16 +111,22 @@ WAYS = [all_gather_single, all_gather_list, all_gather_by_all_reduce, all_gather
         all_gather_by_all_to_all,
         reduce_scatter_single, reduce_scatter_list, reduce_scatter_by_all_reduce, reduce_scatter_by_reduce,
         reduce_scatter_by_all_to_all, reduce_scatter_by_p2p]
-for mb in (1, 8, 32):
-    n = mb * 2**20 // 4 // world  # each rank's shard; the full buffer is `mb` MiB of fp32
-    fns = {way.__name__: way(n) for way in WAYS}
+def timed(ways, n: int, rounds: int, before) -> dict[str, list[float]]:
+    """Seconds per call of each way at shard size `n`, alternated round by round, each call after `before()`."""
+    fns = {way.__name__: way(n) for way in ways}
     times = {name: [] for name in fns}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, fn in fns.items():
-            dist.barrier()
+            before()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+for mb in (1, 8, 32):
+    n = mb * 2**20 // 4 // world  # each rank's shard; the full buffer is `mb` MiB of fp32
+    times = timed(WAYS, n, ROUNDS, dist.barrier)
     if rank == 0:
         print(f"\nfull buffer {mb} MiB (shard {n * 4 / 2**20:.1f} MiB), world {world}, median ms:")
         for name, ts in times.items():
@@ -128,17 +134,8 @@ for mb in (1, 8, 32):
 
 weights = torch.randn(128, 128)
 for kb in (100, 1000, 8000, 32000):
-    n = kb * 1000 // 4  # each rank's shard
-    fns = {way.__name__: way(n) for way in (all_gather_by_p2p, all_gather_by_all_to_all, reduce_scatter_by_p2p,
-                                             reduce_scatter_by_all_to_all)}
-    times = {name: [] for name in fns}
-    for _ in range(ROUNDS * 10 if kb < 1000 else ROUNDS):
-        for name, fn in fns.items():
-            for _ in range(3):
-                weights @ weights
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = timed((all_gather_by_p2p, all_gather_by_all_to_all, reduce_scatter_by_p2p, reduce_scatter_by_all_to_all),
+                  kb * 1000 // 4, ROUNDS * 10 if kb < 1000 else ROUNDS, lambda: [weights @ weights for _ in range(3)])
     if rank == 0:
         print(f"\nbetween matrix products: shard {kb} KB, world {world}, mean / median ms:")
         for name, ts in times.items():

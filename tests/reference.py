@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.collectives import STAMP_BITS
+from fullshard.tags import STAMP_BITS
 
 # torch 2.6's FSDP2 does not run on the CPU (torch.cpu.Stream, which it takes for its streams,
 # lacks record_event): tests that compare with FSDP2 have nothing to compare with there
@@ -170,6 +170,6 @@ class CollectiveLog(TorchDispatchMode):
     def messages(self, world: int, itemsize: int) -> list[int]:
         """The elements of each message to one peer, sorted: every point-to-point send, and
         each peer's row of every all_to_all (which moves the rows' bytes: `itemsize` bytes an
-        element) less the unit's tag at its end (Note [named hangs] in fullshard.collectives)."""
+        element) less the unit's tag at its end (Note [named hangs] in fullshard.tags)."""
         rows = [numel // itemsize // world - STAMP_BITS for name, numel in self.calls if name.startswith("alltoall")]
         return sorted(self.sizes("send") + rows * (world - 1))

@@ -12,8 +12,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fullshard
 from fullshard import runtime
-from fullshard.collectives import (BufferPool, Caller, finish_gather, finish_reduce, gather_full, p2p_tag,
+from fullshard.collectives import (BufferPool, Caller, finish_gather, finish_reduce, gather_full,
                                    reduce_scatter_grads)
+from fullshard.tags import p2p_tag
 from tests.world import COLLECTIVE_TIMEOUT_S
 
 TIMEOUT = timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # no hang is tested here: the world's own timeout

@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from fullshard import runtime
 from fullshard.options import DEFAULT_TIMEOUT
-from fullshard.runtime import CollectiveError
+from fullshard.runtime import MismatchedRows
+from fullshard.tags import STAMP_BITS, mismatched, stamp
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,47 +63,12 @@ def wait_all(works: list, caller: Caller, *, on_device: bool) -> None:
     runtime.active.wait_works(works, timeout=caller.timeout, what=caller.what, on_device=on_device)
 
 
-# Note [named hangs]: every point-to-point message carries its unit's tag, so a rank
-# that skipped a unit (or took another branch) is never matched with another unit's
-# message of the same size (which would be silent corruption): its peers wait, time
-# out, and raise an error naming the unit, the collective and the step. A collective
-# carries no tag, so each row of a small message on gloo (Note [collective choice]) ends
-# with its tag's STAMP_BITS bits, as elements 0 and 1 (exact in every dtype but float8_e8m0fnu,
-# which has no 0: there a mismatch is still seen, its tag not read): a rank that receives
-# another unit's rows of the same size raises at once, naming both. (Rows of
-# another size make gloo abort the receiving process: "Received data size doesn't match
-# expected size"; set_debug_checks(True) names the units first.) On GPUs
-# waits do not block the host; runtime.HangWatch keeps the timeout there, and host
-# waits are bounded by it too.
-
-STAMP_BITS = 24
-
-
-class MismatchedRows(CollectiveError):
-    """A peer sent the rows of another collective (Note [named hangs]): `peer` is its rank in
-    the group, `tag` the tag its rows carried (None: no tag at all)."""
-
-    def __init__(self, peer: int, tag: int | None) -> None:
-        super().__init__(f"group rank {peer} sent the rows of " + ("another collective" if tag is None else
-                                                                    f"the collective of message tag {tag}"))
-        self.peer, self.tag = peer, tag
-
-
-def stamp(tag: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`tag`'s bits, lowest first ([STAMP_BITS] of 0 and 1 in `dtype`), Note [named hangs]."""
-    return torch.tensor([(tag >> i) & 1 for i in range(STAMP_BITS)], dtype=dtype, device=device)
-
-
 def check_stamps(stamps: torch.Tensor, tag: int) -> None:
-    """Every rank's row ended with `tag`'s stamp (`stamps`: [world, STAMP_BITS] as received);
-    MismatchedRows names the first peer whose did not."""
-    expected = stamp(tag, stamps.dtype, stamps.device)
-    if torch.equal(stamps, expected.expand_as(stamps)):
-        return
-    for peer, bits in enumerate(stamps.tolist()):
-        if bits != expected.tolist():
-            valid = all(b in (0, 1) for b in bits)
-            raise MismatchedRows(peer, sum(int(b) << i for i, b in enumerate(bits)) if valid else None)
+    """Raise MismatchedRows when a row of `stamps` ([world, STAMP_BITS], as received) is not
+    `tag`'s (Note [named hangs], tags.py)."""
+    wrong = mismatched(stamps, tag)
+    if wrong is not None:
+        raise MismatchedRows(*wrong)
 
 
 def all_to_all(sent: torch.Tensor, received: torch.Tensor, group: dist.ProcessGroup) -> list:
@@ -112,16 +78,6 @@ def all_to_all(sent: torch.Tensor, received: torch.Tensor, group: dist.ProcessGr
     work = dist.all_to_all_single(received.view(torch.uint8).view(-1), sent.view(torch.uint8).view(-1), group=group,
                                   async_op=True)
     return runtime.active.launched([work], reads=[sent], writes=[received])
-
-
-def p2p_tag(unit_index: int, kind: int) -> int:
-    """The message tag of a unit's gather (kind 0) or reduce-scatter (kind 1) on gloo (Note [named hangs])."""
-    return 16 + 2 * unit_index + kind
-
-
-def tag_unit(tag: int) -> tuple[int, int]:
-    """The unit index and kind whose p2p_tag is `tag`."""
-    return divmod(tag - 16, 2)
 
 
 def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, timeout: timedelta,
@@ -474,7 +430,7 @@ def reduce_scatter_grads(
     compute, stream = rt.current_stream(device), rt.side_stream(device, "reduce")
     sent, received, works = None, None, []
     route = rt.route(shard_group, device, row_numel * shard.element_size()) if shard_group is not None else "none"
-    p2p, stamped = route in ("p2p", "all_to_all"), route == "all_to_all"
+    gloo, stamped = route in ("p2p", "all_to_all"), route == "all_to_all"
     peers = [r for r in range(world) if r != rank]
     rows = None  # [world, row_numel]: every rank's rows
     if shard_group is None:
@@ -483,11 +439,11 @@ def reduce_scatter_grads(
         sent = pool.take((world, row_numel + STAMP_BITS) if stamped else (world, row_numel), dtype, device)
         rows = sent[:, :row_numel] if stamped else sent
         pack_rows(grads, shard_numels, rows)
-        if p2p:  # own row straight into the result, Note [collective choice]
+        if gloo:  # own row straight into the result, Note [collective choice]
             shard.copy_(rows[rank])
-    own = shard_group is None or p2p
+    own = shard_group is None or gloo
     group = shard_group or replicate_group
-    backend = "gloo" if group is None or p2p else dist.get_backend(group)
+    backend = "gloo" if group is None or gloo else dist.get_backend(group)
     summed_over = world * (replicate_group.size() if replicate_group is not None else 1)
     how = averaging(backend, dtype, dp_size=dp_size, summed_over=summed_over, divide_by=divide_by,
                     force_sum=force_sum)
@@ -503,7 +459,7 @@ def reduce_scatter_grads(
             sent[:, row_numel:].copy_(stamp(caller.tag, dtype, device).expand(world, -1))
             received = pool.take((world, row_numel + STAMP_BITS), dtype, device)
             works = all_to_all(sent, received, shard_group)
-        elif p2p:
+        elif gloo:
             received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
             works = exchange([sent[r] for r in peers], list(received), peers, shard_group, caller.tag)
         elif shard_group is not None:
@@ -513,7 +469,7 @@ def reduce_scatter_grads(
                             caller)
     if shard_group is not None:
         pending.traffic.append(("reduce_scatter", (world - 1) * row_numel * shard.element_size()))
-    if replicate_group is not None and not p2p:  # at once, on its own stream, behind the reduce-scatter
+    if replicate_group is not None and not gloo:  # at once, on its own stream, behind the reduce-scatter
         with rt.use(stream):
             wait_all(works, caller, on_device=stream is not None)
         pending.works = []

@@ -4,6 +4,13 @@ import torch.distributed as dist
 
 RESTART = ("Every rank must make the same call at the same point; another rank did not, or died. Restart the job "
            "(fullshard train --max-restarts N resumes from the last checkpoint).")
+# what a rank whose collective failed is told to do, Note [named hangs]
+DIVERGED = ("Every rank must run the same units in the same order: another rank skipped this unit, took another "
+            "branch, or died (model.set_debug_checks(True) names where ranks part). Evaluating on rank 0 alone "
+            "does this: run every forward on every rank, or evaluate inside `with fullshard.full_params(model, "
+            "rank0_only=True, writeback=False):` (entered by every rank), where rank 0 computes without "
+            "communicating. The process group cannot go on; restart the job (fullshard train --max-restarts N "
+            "resumes from the last checkpoint).")
 
 
 class FullShardError(ValueError):

@@ -69,6 +69,16 @@ class CollectiveError(RuntimeError):
     """A collective that failed or did not finish within its timeout."""
 
 
+class MismatchedRows(CollectiveError):
+    """A peer sent the rows of another collective (Note [named hangs], tags.py): `peer` is its
+    rank in the group, `tag` the tag its rows carried (None: no tag at all)."""
+
+    def __init__(self, peer: int, tag: int | None) -> None:
+        super().__init__(f"group rank {peer} sent the rows of " + ("another collective" if tag is None else
+                                                                    f"the collective of message tag {tag}"))
+        self.peer, self.tag = peer, tag
+
+
 class OverdueCollective(CollectiveError):
     """A collective the hang watch saw overdue, raised by a later wait (of any unit): its
     message names the overdue collective, its unit and step, not the waiter."""

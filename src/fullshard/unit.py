@@ -42,26 +42,19 @@ from torch import nn
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard import runtime
-from fullshard.collectives import (BufferPool, Caller, MismatchedRows, PendingGather, PendingReduce, all_gather_ints,
-                                   all_reduce_tensors, finish_gather, finish_reduce, gather_full, p2p_tag,
-                                   redistribute, reduce_scatter_grads, tag_unit)
-from fullshard.errors import FullShardError, collective_failed, fail
+from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingReduce, all_gather_ints,
+                                   all_reduce_tensors, finish_gather, finish_reduce, gather_full, redistribute,
+                                   reduce_scatter_grads)
+from fullshard.errors import DIVERGED, FullShardError, collective_failed, fail
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
 from fullshard.extension import has_extension
 from fullshard.layout import UnitLayout
 from fullshard.quantize import BlockQuantized
 from fullshard.param import ShardedParam, local_values, rows_first, shard_numel
-from fullshard.runtime import CollectiveError, labelled
+from fullshard.runtime import CollectiveError, MismatchedRows, labelled
 from fullshard.stats import Stats
-
-# what a rank whose collective failed is told to do, Note [named hangs]
-DIVERGED = ("Every rank must run the same units in the same order: another rank skipped this unit, took another "
-            "branch, or died (model.set_debug_checks(True) names where ranks part). Evaluating on rank 0 alone "
-            "does this: run every forward on every rank, or evaluate inside `with fullshard.full_params(model, "
-            "rank0_only=True, writeback=False):` (entered by every rank), where rank 0 computes without "
-            "communicating. The process group cannot go on; restart the job (fullshard train --max-restarts N "
-            "resumes from the last checkpoint).")
+from fullshard.tags import p2p_tag, tag_unit
 
 
 class ShardState(Enum):
