@@ -98,6 +98,12 @@ def exit_status(args: list[str]) -> int:
     (["plan", "--world-size", "0"], "--world-size must be at least 1"),
     (["plan", "--n-layer", "1024", "--n-embd", "131072", "--n-head", "1"], "cannot fit in 2 ranks of --memory-budget 2GiB"),
     (["plan", "--memory-budget", "lots"], "--memory-budget must be a size"),
+    # checked whatever the other flags say
+    (["train", "--memory-budget", "nan"], "--memory-budget must be a size"),
+    (["train", "--memory-budget", "1XB"], "--memory-budget must be a size"),
+    (["train", "--memory-budget", ""], "--memory-budget must be a size"),
+    (["train", "--memory-budget", "2GiB"], "add --plan auto"),
+    (["train", "--plan", "auto"], "--plan auto needs --memory-budget"),
 ])
 def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, tmp_path, args, says):
     for name, text in {"EMPTY_FILE": b"", "20_BYTE_FILE": b"def f(): return 42\n\n"}.items():

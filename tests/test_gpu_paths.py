@@ -252,7 +252,7 @@ def test_a_hang_on_the_gpu_names_the_stuck_unit(world2):
     for got in world2.run(stuck_unit_job):
         assert got["stuck"] == 1
         # the error names the overdue all-gather of h.0, not the unit whose wait found it
-        assert "the all-gather of unit 'h.0' at step " in got["message"], got["message"]
+        assert "the all-gather of unit 'h.0' of model " in got["message"] and " at step " in got["message"], got["message"]
         assert "did not finish within 0.001 s" in got["message"], got["message"]
         assert "unit ''" not in got["message"], got["message"]
         assert not got["thread_alive"]

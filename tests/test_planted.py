@@ -42,7 +42,7 @@ MANIFEST_EDITS = {
     "format": (lambda m: m.update(format=1), "this fullshard reads format 2"),
     "missing field": (lambda m: m.pop("tensors"), "must have the fields"),
     "unknown field": (lambda m: m.update(code="os.system('id')"), "must have the fields"),
-    "dtype": (lambda m: first_tensor(m).update(dtype="os.system"), "is not a torch dtype"),
+    "dtype": (lambda m: first_tensor(m).update(dtype="os.system"), "is not a dtype fullshard loads"),
     "huge size": (lambda m: first_chunk(m).update(sizes=[2**40] * len(first_chunk(m)["sizes"])),
                   "lies outside the tensor's shape"),
     "huge shape": (lambda m: first_tensor(m).update(shape=[2**40] * len(first_tensor(m)["shape"])),

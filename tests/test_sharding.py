@@ -14,7 +14,6 @@ import fullshard
 from fullshard import runtime
 from fullshard.collectives import (BufferPool, Caller, finish_gather, finish_reduce, gather_full,
                                    reduce_scatter_grads)
-from fullshard.tags import p2p_tag
 from tests.world import COLLECTIVE_TIMEOUT_S
 
 TIMEOUT = timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # no hang is tested here: the world's own timeout
@@ -86,9 +85,9 @@ def collectives_job(seed: int, rows_of_first: int) -> dict:
     pool = BufferPool()
     cpu, f32 = torch.device("cpu"), torch.float32
     first = gather_full([local], group=group, dtype=f32, device=cpu, pool=pool,
-                        caller=Caller(p2p_tag(0, 0), TIMEOUT))
+                        caller=Caller("gather 0", TIMEOUT, uid=0))
     second = gather_full([2 * local], group=group, dtype=f32, device=cpu, pool=pool,
-                         caller=Caller(p2p_tag(1, 0), TIMEOUT))
+                         caller=Caller("gather 1", TIMEOUT, uid=1))
     outs, twice = [torch.empty_like(p) for p in padded], [torch.empty_like(p) for p in padded]
     finish_gather(first, outs, [p.numel() // world for p in padded], pool)
     finish_gather(second, twice, [p.numel() // world for p in padded], pool)
@@ -97,7 +96,7 @@ def collectives_job(seed: int, rows_of_first: int) -> dict:
     for dtype in (torch.int16, torch.float8_e4m3fn):
         values = torch.arange(world * 6, dtype=torch.float32).view(world, 6).to(dtype)  # alike on every rank
         pending = gather_full([values[rank].clone()], group=group, dtype=dtype, device=cpu, pool=pool,
-                              caller=Caller(p2p_tag(2, 0), TIMEOUT))
+                              caller=Caller("gather 2", TIMEOUT, uid=2))
         out = torch.empty(world * 6, dtype=dtype)
         finish_gather(pending, [out], [6], pool)
         odd_ok.append(torch.equal(out.view(torch.uint8), values.view(-1).view(torch.uint8)))
@@ -109,7 +108,7 @@ def collectives_job(seed: int, rows_of_first: int) -> dict:
     numels = [p.numel() // world for p in padded] + [1, 1, 1]
     shard = torch.empty(sum(numels) + len(numels))
     pending = reduce_scatter_grads(grads, numels, groups=(group, None), dp_size=world, divide_by=world,
-                                   force_sum=False, shard=shard, pool=pool, caller=Caller(p2p_tag(0, 1), TIMEOUT))
+                                   force_sum=False, shard=shard, pool=pool, caller=Caller("reduce 0", TIMEOUT, uid=0, kind=1))
     shard = finish_reduce(pending, pool)
     all_grads = [[torch.zeros_like(g) for _ in range(world)] for g in grads[:3]]
     for bucket, g in zip(all_grads, grads[:3]):

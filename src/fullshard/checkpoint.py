@@ -52,12 +52,13 @@ from fullshard import background, dcp_format, manifest
 from fullshard.background import SaveHandle
 from fullshard.collectives import all_gather_json
 from fullshard.errors import EveryRankError, FullShardError, fail, require
-from fullshard.files import Folder, Overdue, View, Writer
+from fullshard.files import Folder, View, Writer
 from fullshard.hooks import normal_tensors, units_of
-from fullshard.manifest import MAX_INT, Chunk, Contents, SavedTensor
+from fullshard.manifest import LOADABLE, MAX_INT, Chunk, Contents, SavedTensor, dtype_problem
 from fullshard.mesh import timed_group
 from fullshard.state_dict import (check_names_and_shapes, check_optimizer, check_path, get_state_dict,
-                                  load_model_state, load_optimizer_state, new_like, optimizer_template, reshard_all,
+                                  hyperparameter_problems, load_model_state, load_optimizer_state, new_like,
+                                  optimizer_state_problems, optimizer_template, param_names, reshard_all,
                                   state_entries, value_of)
 
 LATEST, COMPLETE, MANIFEST, METADATA = "LATEST", "COMPLETE", "fullshard.json", ".metadata"
@@ -162,6 +163,9 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
             check_json(value, f"the optimizer's {key[len('optim.'):]} ({type(value).__name__})")
+        elif value.dtype not in LOADABLE.values():
+            raise fail(f"{key} is of dtype {value.dtype}, which fullshard's checkpoints do not hold",
+                       f"Keep the state in one of {', '.join(LOADABLE)} (Note [loaded dtypes]).")
     timeout = units_of(model, "save")[0].timeout
     path = Path(path)
     optimizer_name = type(optimizer).__name__ if optimizer is not None else None
@@ -371,7 +375,7 @@ def commit(path: Path, version: str, reports: list[dict], optimizer_name: str | 
             offsets, sizes, begin, length, data_offset, numel, storage_offset, stride = entry["chunk"]
             layout = manifest.Layout(data_offset, numel, storage_offset, tuple(stride))
             chunks.setdefault(key, []).append(Chunk(tuple(offsets), tuple(sizes), file, begin, length, layout))
-            kinds[key] = (manifest.DTYPES[entry["dtype"]], tuple(entry["shape"]))
+            kinds[key] = (manifest.LOADABLE[entry["dtype"]], tuple(entry["shape"]))
         for key, (begin, length, value) in report["values"].items():
             contents.values[key] = manifest.SavedValue(value, file, begin, length)
         paths.update({key: tuple(p) for key, p in report["paths"].items()})
@@ -418,7 +422,7 @@ def open_version(path: Path, deadline: float) -> tuple[Folder, Contents]:
             raise fail(f"checkpoint {path}: version {folder.path.name} {what}, which lists what it holds and the "
                        f"checksums of its files", DAMAGED_FIX)
         text = folder.read(MANIFEST, MAX_MANIFEST, deadline).decode("utf-8", "replace")
-        return folder, manifest.read(text, f"{folder.path / MANIFEST}")
+        return folder, manifest.read(text, f"{folder.path / MANIFEST}", deadline)
     except BaseException:
         folder.close()
         raise
@@ -429,7 +433,7 @@ def plain_contents(root: Folder, path: Path, deadline: float) -> Contents:
     if root.kind(METADATA) != "file":
         raise not_a_checkpoint(path)
     try:
-        return dcp_format.read_metadata(root.read(METADATA, MAX_MANIFEST, deadline), f"{path}")
+        return dcp_format.read_metadata(root.read(METADATA, MAX_MANIFEST, deadline), f"{path}", deadline)
     except dcp_format.FormatError as e:
         raise fail(f"checkpoint {path} could not be read: its {METADATA} is not DCP metadata fullshard reads ({e})",
                    DAMAGED_FIX) from None
@@ -497,7 +501,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         report["damaged"] = damaged_files(folder, contents, deadline)
     except FullShardError as e:
         report["error"] = str(e)
-    except (OSError, dcp_format.FormatError, UnicodeError) as e:
+    except Exception as e:  # OSError, FormatError, ...: whatever a file made this rank raise, every rank says
         report["error"] = str(unreadable(path, e))
     try:
         checked = agree(what, "checking the checkpoint", timeout, report, nothing_changed=untouched)
@@ -533,7 +537,17 @@ def check_fits(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
     fit `optimizer`."""
     shapes = {key[len("model."):]: torch.Size(t.shape) for key, t in contents.tensors.items()
               if key.startswith("model.")}
-    check_names_and_shapes(state_entries(model), shapes, "checkpoint")
+    entries = state_entries(model)
+    check_names_and_shapes(entries, shapes, "checkpoint")
+    wrong = [f"{name}: {problem}" for name in shapes if name in entries
+             if (problem := dtype_problem(contents.tensors[f"model.{name}"].dtype, value_of(entries[name]).dtype))]
+    for key, saved in contents.values.items():
+        if key.startswith("model."):  # a model entry that is no tensor: nothing a model holds
+            wrong.append(f"{key[len('model.'):]}: a plain value, where the model holds a tensor")
+    if wrong:
+        raise fail(f"checkpoint {folder.path} holds model tensors that cannot land in the model's "
+                   f"({'; '.join(sorted(wrong)[:8])}{' ...' if len(wrong) > 8 else ''})", "Load a checkpoint "
+                   "of this model in its own dtypes (or another floating-point one: Note [loaded dtypes]).")
     if optimizer is None:
         return
     if not optimizer_keys(contents):
@@ -547,11 +561,15 @@ def check_fits(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
                    f"the model only.")
     groups = saved_groups(folder, contents, deadline)
     sizes = [len(g["params"]) if isinstance(g.get("params"), list) else None for g in groups]
+    if any(size is None for size in sizes):
+        raise fail(f"checkpoint {folder.path}'s optimizer has a parameter group without a list of parameters",
+                   DAMAGED_FIX)
     if sizes != [len(g["params"]) for g in optimizer.param_groups]:
         raise fail(f"checkpoint {folder.path}'s optimizer has parameter groups of {sizes} parameters, this one "
                    f"{[len(g['params']) for g in optimizer.param_groups]}",
                    "Build the optimizer with the same parameter groups as the one that was saved, or pass "
                    "optimizer=None to load the model only.")
+    names = param_names(model)
     for i, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
         missing = sorted(set(group) - set(saved) - {"params"})
         if missing:
@@ -559,6 +577,17 @@ def check_fits(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
                        f"parameter group {i} (it has {sorted(set(saved) - {'params'})}): it was saved from another "
                        f"kind of optimizer than this {mine}", "Build the optimizer of the saved run, or pass "
                        "optimizer=None to load the model only.")
+        if not (isinstance(saved["params"], list) and all(isinstance(n, str) for n in saved["params"])
+                and sorted(saved["params"]) == sorted(names[p] for p in group["params"])):
+            raise fail(f"checkpoint {folder.path}'s optimizer steps other parameters in group {i} than this one",
+                       "Build the optimizer with the same parameter groups as the one that was saved, or pass "
+                       "optimizer=None to load the model only.")
+    saved_state = {**{key: (t.dtype, t.shape) for key, t in contents.tensors.items()}, **dict.fromkeys(contents.values)}
+    if problems := hyperparameter_problems(groups, optimizer) + optimizer_state_problems(model, optimizer, saved_state):
+        raise fail(f"checkpoint {folder.path}'s optimizer state does not fit this {mine} "
+                   f"({'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''})",
+                   "Load a checkpoint saved with an optimizer of this kind and these parameters, or pass "
+                   "optimizer=None to load the model only.")
 
 
 def saved_groups(folder: Folder, contents: Contents, deadline: float) -> list[dict]:
@@ -569,7 +598,8 @@ def saved_groups(folder: Folder, contents: Contents, deadline: float) -> list[di
         parts = key.split(".", 3)
         if len(parts) == 4 and parts[1] == "param_groups" and parts[2].isdigit():
             saved = contents.values.get(key)
-            value = value_of_record(folder, saved, deadline) if saved is not None else contents.tensors[key].shape
+            value = value_of_record(folder, saved, deadline) if saved is not None else \
+                (contents.tensors[key].dtype, contents.tensors[key].shape)
             groups.setdefault(int(parts[2]), {})[parts[3]] = value
     return [groups[i] for i in sorted(groups)]
 
@@ -628,7 +658,7 @@ def read_state(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
                 set_element(state, mapping[key], value_of_record(folder, contents.values[key], deadline))
     except FullShardError as e:
         error = str(e)
-    except (OSError, Overdue, dcp_format.FormatError, KeyError) as e:
+    except Exception as e:  # OSError, FormatError, ...: every rank says what this one found
         error = str(unreadable(folder.path, e))
     agree(what, "reading the tensors", timeout, {"error": error}, nothing_changed="nothing was loaded")
     return model_sd, state
@@ -658,7 +688,10 @@ def chunk_values(folder: Folder, chunk: Chunk, dtype: torch.dtype, deadline: flo
     fd = folder.open_read(chunk.file)
     try:
         view = View(fd, chunk.start, chunk.length, deadline)
-        layout = chunk.layout or dcp_format.record_layout(view, dtype, chunk.sizes)
+        layout = dcp_format.record_layout(view, dtype, chunk.sizes)  # the record's own header: the values' place
+        if chunk.layout is not None and chunk.layout != layout:
+            raise fail(f"checkpoint {folder.path}'s manifest places a chunk of {chunk.file} at {tuple(chunk.layout)} "
+                       f"(data offset, storage size, offset, strides), its record at {tuple(layout)}", DAMAGED_FIX)
         if not math.prod(chunk.sizes):
             return torch.empty(chunk.sizes, dtype=dtype)
         span = 1 + sum((s - 1) * d for s, d in zip(chunk.sizes, layout.stride))

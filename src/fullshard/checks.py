@@ -6,11 +6,14 @@ import zlib
 
 import torch
 
-from fullshard.collectives import all_gather_ints, all_gather_json
+from fullshard.collectives import all_gather_ints, all_gather_json, site
 from fullshard.errors import collective_failed, fail
 from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.mesh import ShardGroup
 from fullshard.runtime import CollectiveError
+
+PARAMETERS = site("the comparison of the parameters ranks shard")
+VALUES = site("the comparison of the values ranks shard")
 
 
 # the integer type whose elements have the size of a dtype's, to sum a tensor's bits
@@ -49,27 +52,31 @@ def dp_groups(group: ShardGroup) -> list[torch.distributed.ProcessGroup | None]:
     return group.process_groups
 
 def check_ranks_agree(what: str, described: list[tuple], sums: list[int], device: torch.device,
-                      groups: list[torch.distributed.ProcessGroup | None] = (None,)) -> None:
+                      groups: list[torch.distributed.ProcessGroup | None] = (None,), uid: int = 0) -> int:
     """Refuse, on every rank, ranks that would shard different parameters: `described` holds
     each parameter's (name, shape, dtype, requires_grad[, split dim]), `sums` its bit_sums. Ranks that
     differ would silently mix rows of different models. One small all-gather per group
-    (None: every rank) when they agree."""
+    (None: every rank) when they agree. Returns the new unit's id (Note [named hangs]): the
+    largest `uid` any rank proposes (each proposes one above its own live units')."""
     try:
         for group in groups:
             if torch.distributed.get_world_size(group) > 1:
-                compare_ranks(what, described, sums, device, group)
+                uid = compare_ranks(what, described, sums, device, group, uid)
     except CollectiveError as e:
         raise collective_failed(f"comparing {what} across ranks", e,
                                 "Every rank must shard the same model at the same time; another rank did not, or "
                                 "died.") from None
+    return uid
 
 def compare_ranks(what: str, described: list[tuple], sums: list[int], device: torch.device,
-                  group: torch.distributed.ProcessGroup | None) -> None:
-    """check_ranks_agree within one group, without the deadline's message (ranks are the group's)."""
+                  group: torch.distributed.ProcessGroup | None, uid: int) -> int:
+    """check_ranks_agree within one group, without the deadline's message (ranks are the group's);
+    the largest `uid` of the group's ranks."""
     timeout = DEFAULT_TIMEOUT
-    digest = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(sums).encode())]
-    digests = all_gather_ints(digest, device=device, timeout=timeout, group=group)
-    if len({structure for structure, _ in digests}) > 1:
+    digest = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(sums).encode()), uid]
+    digests = all_gather_ints(digest, device=device, timeout=timeout, group=group,
+                              what=PARAMETERS)
+    if len({structure for structure, _, _ in digests}) > 1:
         everyone = [[tuple(d[:1]) + (tuple(d[1]),) + tuple(d[2:]) for d in theirs]  # JSON made tuples lists
                     for theirs in all_gather_json(described, device=device, timeout=timeout, group=group)]
         differ = [f"rank {r}: {sorted(set(theirs) ^ set(described))}" for r, theirs in enumerate(everyone)
@@ -78,9 +85,10 @@ def compare_ranks(what: str, described: list[tuple], sums: list[int], device: to
                    f"differing from this rank's: {'; '.join(differ)})",
                    "Build the same model on every rank, with the same parameters frozen (and the same "
                    "shard_placement_fn), before sharding.")
-    if len({values for _, values in digests}) == 1 or not sums:
-        return
-    everyone = all_gather_ints(sums, device=device, timeout=timeout, group=group)  # same length: same parameters
+    if len({values for _, values, _ in digests}) == 1 or not sums:
+        return max(theirs for _, _, theirs in digests)
+    everyone = all_gather_ints(sums, device=device, timeout=timeout, group=group,  # same length: same parameters
+                               what=VALUES)
     names = [d[0] for i, d in enumerate(described) if len({theirs[i] for theirs in everyone}) > 1]
     listing = ", ".join(map(repr, names[:8])) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     raise fail(f"ranks hold different values of {listing} in {what}: sharding would keep rank 0's rows of one "

@@ -19,16 +19,20 @@ pending object at once) and a wait.
 # cores costs up to milliseconds now and then; all_to_all leaves that wait to gloo's
 # threads, for world - 1 extra copies of a gathered shard (one row per peer). On the tiny GPT of benchmarks/host_time.py
 # (units of 70-100 KB per rank), fullshard's step overhead over DDP was 9.4 ms point-to-
-# point and 3.1 ms all_to_all, alternated in one run (before the tags below). Between matrix products (gloo_collectives.py's last tables, world 2, mean
+# point and 3.1 ms all_to_all, alternated in one run (before the headers of Note [named
+# hangs]). Between matrix products (gloo_collectives.py's last tables, world 2, mean
 # ms, gather / reduce-scatter): 100 KB shards, point-to-point 0.56 / 0.64, all_to_all
 # 0.52 / 0.49; 1 MB 1.59 / 1.61 against 1.62 / 2.07; 32 MB 23.8 / 40.4 against 29.2 / 47.9.
 # The rows a reduce-scatter receives are summed in rank order either way, so the result
-# does not depend on message timing or route.
+# does not depend on message timing or route. Every message on gloo starts with a header
+# naming its unit, model and collective (Note [named hangs], tags.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,8 +42,8 @@ import torch.distributed as dist
 
 from fullshard import runtime
 from fullshard.options import DEFAULT_TIMEOUT
-from fullshard.runtime import MismatchedRows
-from fullshard.tags import STAMP_BITS, mismatched, stamp
+from fullshard.runtime import SMALL_MESSAGE, MismatchedCall, MismatchedRows
+from fullshard.tags import HEADER_BYTES, HEADER_TAG, first_mismatch, header, header_elements, p2p_tag, read_header
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -48,14 +52,20 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+# the bytes posted to receive each peer's row of an all_to_all: its longest row (Note [named hangs])
+RECEIVE_CAPACITY = SMALL_MESSAGE + HEADER_BYTES
+
+
 @dataclass(frozen=True)
 class Caller:
-    """Who issues a unit's collective: its message tag (Note [named hangs]), how long its
-    waits may take, and what to call it when one does not finish."""
+    """Who issues a collective: what to call it when it does not finish, how long its waits may
+    take, and, for a unit's, the unit's id and the collective's kind (tags.KINDS) its messages'
+    headers carry (Note [named hangs])."""
 
-    tag: int
-    timeout: timedelta = DEFAULT_TIMEOUT
     what: str = "a collective"
+    timeout: timedelta = DEFAULT_TIMEOUT
+    uid: int = 0
+    kind: int = 0
 
 
 def wait_all(works: list, caller: Caller, *, on_device: bool) -> None:
@@ -63,36 +73,110 @@ def wait_all(works: list, caller: Caller, *, on_device: bool) -> None:
     runtime.active.wait_works(works, timeout=caller.timeout, what=caller.what, on_device=on_device)
 
 
-def check_stamps(stamps: torch.Tensor, tag: int) -> None:
-    """Raise MismatchedRows when a row of `stamps` ([world, STAMP_BITS], as received) is not
-    `tag`'s (Note [named hangs], tags.py)."""
-    wrong = mismatched(stamps, tag)
+def check_headers(received: torch.Tensor, expected: torch.Tensor, peers: list[int]) -> None:
+    """Raise MismatchedRows when a header of `received` ([len(peers), 2] int64, from these group
+    ranks) is not `expected` (Note [named hangs])."""
+    wrong = first_mismatch(received, expected)
     if wrong is not None:
-        raise MismatchedRows(*wrong)
+        raise MismatchedRows(peers[wrong[0]], wrong[1], read_header(expected.tolist()))
 
 
-def all_to_all(sent: torch.Tensor, received: torch.Tensor, group: dist.ProcessGroup) -> list:
-    """sent[r] to group rank r and received[r] from it (both [world, row]), as one collective
-    (Note [collective choice]). It moves the rows' bytes: gloo's collectives take only some
-    dtypes (not float8 nor int16), point-to-point messages any."""
-    work = dist.all_to_all_single(received.view(torch.uint8).view(-1), sent.view(torch.uint8).view(-1), group=group,
-                                  async_op=True)
+def all_to_all(sent: torch.Tensor, received: torch.Tensor, group: dist.ProcessGroup, rank: int) -> list:
+    """sent[r] to group rank r ([world, row], each row led by its header), as one collective
+    (Note [collective choice]), into `received` (a receive_buffer), where each
+    peer's row may take up to RECEIVE_CAPACITY bytes (Note [named hangs]). It moves bytes:
+    gloo's collectives take only some dtypes (not float8 nor int16), point-to-point messages any."""
+    world, row = sent.size(0), sent[0].nbytes
+    assert row <= RECEIVE_CAPACITY, f"an all_to_all row of {row} bytes"
+    capacities = [RECEIVE_CAPACITY] * world
+    capacities[rank] = row  # this rank's own row: gloo copies it, as long as sent
+    work = dist.all_to_all_single(received[: sum(capacities)], sent.view(torch.uint8).view(-1), capacities,
+                                  [row] * world, group=group, async_op=True)
     return runtime.active.launched([work], reads=[sent], writes=[received])
 
 
+def receive_buffer(pool: "BufferPool", world: int, device: torch.device) -> torch.Tensor:
+    """An all_to_all's receive buffer ([world * RECEIVE_CAPACITY] bytes: any row fits, and every
+    unit's collectives reuse the same buffers)."""
+    return pool.take((world * RECEIVE_CAPACITY,), torch.uint8, device)
+
+
+def received_rows(received: torch.Tensor, rank: int, row: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The peers' rows of an all_to_all in `received` (as all_to_all laid them out), each led by
+    its header: those of the ranks before this one and after it, [peers, row] of `dtype` each
+    (a shorter row fills only its start)."""
+    world = received.numel() // RECEIVE_CAPACITY
+    stride = RECEIVE_CAPACITY // dtype.itemsize
+    typed = received.view(dtype)
+    before = typed.as_strided((rank, row // dtype.itemsize), (stride, 1), 0)
+    after = typed.as_strided((world - 1 - rank, row // dtype.itemsize), (stride, 1),
+                             (rank * RECEIVE_CAPACITY + row) // dtype.itemsize)
+    return before, after
+
+
+def check_rows(before: torch.Tensor, after: torch.Tensor, expected: torch.Tensor, rank: int) -> None:
+    """check_headers of the headers leading the peers' rows of an all_to_all (received_rows')."""
+    lead = header_elements(before.dtype)
+    headers = torch.cat([before[:, :lead], after[:, :lead]]).view(torch.int64)  # [world - 1, 2]
+    check_headers(headers, expected, [r for r in range(headers.size(0) + 1) if r != rank])
+
+
+def write_header(rows: torch.Tensor, caller: Caller, nbytes: int) -> torch.Tensor:
+    """Lead every row of `rows` ([n, row] of any dtype) with the header of `caller`'s collective; returns it."""
+    mine = header(caller.uid, caller.kind, nbytes)
+    rows.view(torch.uint8)[:, :HEADER_BYTES].copy_(mine.view(torch.uint8).expand(rows.size(0), -1))
+    return mine
+
+
+# the int64s of every all-gather of integers' frame: its call site, its length, then up to 6 values
+FRAME = 8
+SITES: dict[int, str] = {}  # the call sites of all_gather_ints, by code, for messages
+
+
+def site(what: str) -> str:
+    """Register a call site of all_gather_ints at import, so that every process can name it."""
+    SITES[zlib.crc32(what.encode())] = what
+    return what
+
+
+INTEGERS, JSON_LENGTHS, HEADERS = (site("an all-gather of integers"), site("the lengths of an all-gather of JSON"),
+                                   site("the headers of an all-reduce across replicas"))
+
+
 def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, timeout: timedelta,
-                    group: dist.ProcessGroup | None = None) -> list[list[int]]:
+                    group: dist.ProcessGroup | None = None, what: str = INTEGERS) -> list[list[int]]:
     """Every rank's `values` (the same length on every rank of `group`, default: all), rank by
-    rank; reading them is a host sync. Plain tensors even inside a torch.func transform (a
-    forward under torch.func.jvp checks its first forward with one: torch before 2.10 cannot
-    read back a tensor the transform wrapped)."""
-    rt = runtime.active
+    rank; reading them is a host sync. Every call sends a frame of FRAME integers first, naming
+    its call site (`what`) and length, with the values when they fit: ranks that reached other
+    calls exchange frames of one size and learn it (MismatchedCall), where rows of other sizes
+    would make gloo abort the process (Note [named hangs]). Plain tensors even inside a
+    torch.func transform (a forward under torch.func.jvp checks its first forward with one:
+    torch before 2.10 cannot read back a tensor the transform wrapped)."""
+    code = zlib.crc32(what.encode())
     with torch._C._DisableFuncTorch():
         mine = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64, device=device)
-        out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
-        works = rt.launched([_all_gather_single(out, mine, group=group, async_op=True)], reads=[mine], writes=[out])
-        wait_all(works, Caller(0, timeout, "an all-gather of integers"), on_device=device.type == "cuda")
-        return rt.read_on_host(out.view(-1, mine.numel()), timeout=timeout, what="an all-gather of integers")
+        n = mine.numel()
+        frame = torch.zeros(FRAME, dtype=torch.int64, device=device)  # filled on the device: no copy from the host
+        frame[0].fill_(code)
+        frame[1].fill_(n)
+        if n <= FRAME - 2:
+            frame[2 : 2 + n].copy_(mine.reshape(-1))
+        frames = gather_rows(frame, group, Caller(what, timeout))
+        for peer, (their_site, their_n, *_) in enumerate(frames):
+            if (their_site, their_n) != (code, n):
+                raise MismatchedCall(what, peer, SITES.get(their_site, "another of fullshard's collectives"))
+        if n <= FRAME - 2:
+            return [row[2 : 2 + n] for row in frames]
+        return gather_rows(mine.to(torch.int64), group, Caller(what, timeout))
+
+
+def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, caller: Caller) -> list[list]:
+    """Every rank's `row` (of one length on every rank), read on the host."""
+    rt = runtime.active
+    out = torch.empty(dist.get_world_size(group) * row.numel(), dtype=row.dtype, device=row.device)
+    works = rt.launched([_all_gather_single(out, row, group=group, async_op=True)], reads=[row], writes=[out])
+    wait_all(works, caller, on_device=row.device.type == "cuda")
+    return rt.read_on_host(out.view(-1, row.numel()), timeout=caller.timeout, what=caller.what)
 
 
 def all_gather_json(obj: object, *, device: torch.device, timeout: timedelta,
@@ -101,12 +185,13 @@ def all_gather_json(obj: object, *, device: torch.device, timeout: timedelta,
     sends is unpickled. An all-gather of the lengths, then one of the bytes."""
     rt = runtime.active
     mine = json.dumps(obj).encode()
-    longest = max(n for (n,) in all_gather_ints([len(mine)], device=device, timeout=timeout, group=group))
+    longest = max(n for (n,) in all_gather_ints([len(mine)], device=device, timeout=timeout, group=group,
+                                                 what=JSON_LENGTHS))
     sent = torch.zeros(longest, dtype=torch.uint8, device=device)  # [longest]
     sent[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else sent[:0]
     out = torch.empty(dist.get_world_size(group) * longest, dtype=torch.uint8, device=device)  # [world * longest]
     works = rt.launched([_all_gather_single(out, sent, group=group, async_op=True)], reads=[sent], writes=[out])
-    wait_all(works, Caller(0, timeout, "an all-gather of JSON"), on_device=device.type == "cuda")
+    wait_all(works, Caller("an all-gather of JSON", timeout), on_device=device.type == "cuda")
     rows = out.view(-1, longest).cpu()
     return [json.loads(bytes(row.numpy().tobytes()).rstrip(b"\0")) for row in rows]
 
@@ -118,7 +203,7 @@ def all_reduce_(tensor: torch.Tensor, op: str, *, timeout: timedelta, what: str)
     rt = runtime.active
     reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     works = rt.launched([dist.all_reduce(tensor, op=reduce_op, async_op=True)], reads=[tensor], writes=[tensor])
-    wait_all(works, Caller(0, timeout, what), on_device=tensor.device.type == "cuda")
+    wait_all(works, Caller(what, timeout), on_device=tensor.device.type == "cuda")
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], *, device: torch.device | None = None,
@@ -131,14 +216,14 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], *, device: torch.device | 
         sent = t if device is None else rt.to_device(t, device)
         works = rt.launched([dist.broadcast(sent, group=group, group_src=0, async_op=True)], reads=[sent],
                             writes=[sent])
-        wait_all(works, Caller(0, timeout, "a broadcast from rank 0"), on_device=sent.device.type == "cuda")
+        wait_all(works, Caller("a broadcast from rank 0", timeout), on_device=sent.device.type == "cuda")
         if sent is not t:
             t.copy_(sent)
 
 
 def barrier(timeout: timedelta, what: str) -> None:
     """Every rank gets here, within `timeout` (a CollectiveError naming `what` otherwise)."""
-    wait_all(runtime.active.launched([dist.barrier(async_op=True)], reads=[], writes=[]), Caller(0, timeout, what),
+    wait_all(runtime.active.launched([dist.barrier(async_op=True)], reads=[], writes=[]), Caller(what, timeout),
              on_device=False)
 
 
@@ -202,12 +287,41 @@ class BufferPool:
         self.free.clear()
 
 
+@dataclass
+class Headers:
+    """The headers of a point-to-point exchange (Note [named hangs]): their works, this rank's
+    (kept alive until sent) and the peers' as they arrive ([peers, 2] int64, on the CPU)."""
+
+    works: list
+    mine: torch.Tensor
+    theirs: torch.Tensor
+    peers: list[int]
+
+    def check(self, caller: Caller, works: list) -> None:
+        """Wait for the peers' headers (the host waits: they are in host memory) and raise
+        MismatchedRows when one is not this collective's, leaving its `works` (the rows, which
+        will never be matched) to Note [abandoned collectives]."""
+        runtime.active.wait_host_works(self.works, timeout=caller.timeout, what=caller.what)
+        try:
+            check_headers(self.theirs, self.mine, self.peers)
+        except MismatchedRows:
+            runtime.abandon(works)
+            raise
+
+
 def exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor], peers: list[int], group: dist.ProcessGroup,
-             tag: int) -> list:
-    """Point-to-point: sends[i] to group rank peers[i], recvs[i] from it (Note [collective choice])."""
+             caller: Caller) -> tuple[Headers, list]:
+    """Point-to-point: sends[i] to group rank peers[i], recvs[i] from it, each pair of messages
+    after its header (Note [collective choice], Note [named hangs])."""
+    nbytes = recvs[0].nbytes if recvs else 0
+    mine = header(caller.uid, caller.kind, nbytes)
+    theirs = torch.empty((len(peers), 2), dtype=torch.int64)
+    header_works = [dist.irecv(theirs[i], group=group, group_src=r, tag=HEADER_TAG) for i, r in enumerate(peers)]
+    header_works += [dist.isend(mine, group=group, group_dst=r, tag=HEADER_TAG) for r in peers]
+    tag = p2p_tag(caller.uid, caller.kind, nbytes)
     works = [dist.irecv(t, group=group, group_src=r, tag=tag) for t, r in zip(recvs, peers)]
     works += [dist.isend(t, group=group, group_dst=r, tag=tag) for t, r in zip(sends, peers)]
-    return runtime.active.launched(works, reads=sends, writes=recvs)
+    return Headers(header_works, mine, theirs, peers), runtime.active.launched(works, reads=sends, writes=recvs)
 
 
 def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
@@ -217,16 +331,18 @@ def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
 
 @dataclass
 class PendingGather:
-    """An all-gather in flight into `gathered`: every rank's flat shard, rank after rank
-    ([world, unit_shard_numel], each row followed by its stamp when `stamped`, Note [named
-    hangs]), or point-to-point only the peers' ([world - 1, ...]): a rank's own shard goes
-    from `local_flat` straight to its rows of the full parameters."""
+    """An all-gather in flight into `gathered`: on the native route every rank's flat shard, rank
+    after rank ([world, unit_shard_numel]); point-to-point only the peers' ([world - 1, ...]);
+    all_to_all every rank's row, led by its header, as `all_to_all` lays them out (uint8). A
+    rank's own shard goes from `local_flat` straight to its rows of the full parameters."""
 
     works: list
     gathered: torch.Tensor
     local_flat: torch.Tensor  # what this rank sent
-    sent: torch.Tensor | None  # the pool buffer `local_flat` is in (a cast, moved or stamped copy of the shard)
-    stamped: bool
+    sent: torch.Tensor | None  # the pool buffer `local_flat` is in (a cast, moved or headed copy of the shard)
+    route: str  # runtime.route's, or "none" (no group)
+    headers: Headers | None  # point-to-point's
+    expected: torch.Tensor | None  # all_to_all's: the header every row must lead with
     rank: int
     world: int
     device: torch.device
@@ -254,14 +370,14 @@ def gather_full(
     sizes = [s.numel() * (cast.itemsize if cast else 1) for s, cast in zip(shards, casts)]
     numel = sum(sizes)
     route = rt.route(group, device, numel * dtype.itemsize) if group is not None else "none"
-    stamped = route == "all_to_all"
+    lead = header_elements(dtype) if route == "all_to_all" else 0  # the header's elements leading each row
     stream = rt.side_stream(device, "gather")
     rt.wait_stream(stream, rt.current_stream(device))  # the optimizer may have just written the shard
     with rt.use(stream):
         elsewhere = bool(shards) and rt.elsewhere(shards[0], device)  # a unit's shards share one device
-        if stamped or len(shards) != 1 or shards[0].dtype != dtype or elsewhere or bytes_of is not None:
-            sent = pool.take((world, numel + STAMP_BITS) if stamped else (numel,), dtype, device)
-            local_flat = sent[0, :numel] if stamped else sent  # [unit_shard_numel], of dtype
+        if lead or len(shards) != 1 or shards[0].dtype != dtype or elsewhere or bytes_of is not None:
+            sent = pool.take((world, lead + numel) if lead else (numel,), dtype, device)
+            local_flat = sent[0, lead:] if lead else sent  # [unit_shard_numel], of dtype
             offset = 0
             if shards and bytes_of is None and not elsewhere:
                 torch.cat(shards, out=local_flat)  # one kernel that also casts (mixed precision)
@@ -283,22 +399,24 @@ def gather_full(
         else:
             sent, local_flat = None, shards[0]
         sent_bytes = (world - 1) * local_flat.numel() * local_flat.element_size()
+        headers, expected = None, None
         if group is None:
             gathered, works = local_flat.new_empty((0, local_flat.numel())), []
-        elif stamped:  # every peer gets the same row: this rank's shard, then its stamp
-            sent[0, numel:].copy_(stamp(caller.tag, dtype, device))
+        elif lead:  # every peer gets the same row: the header, then this rank's shard
+            expected = write_header(sent[:1], caller, local_flat.nbytes)
             sent[1:].copy_(sent[0].expand(world - 1, -1))
-            gathered = pool.take((world, numel + STAMP_BITS), dtype, device)
-            works = all_to_all(sent, gathered, group)
+            gathered = receive_buffer(pool, world, device)
+            works = all_to_all(sent, gathered, group, rank)
         elif route == "p2p":
             peers = [r for r in range(world) if r != rank]
             gathered = pool.take((world - 1, local_flat.numel()), local_flat.dtype, local_flat.device)
-            works = exchange([local_flat] * len(peers), list(gathered), peers, group, caller.tag)
+            headers, works = exchange([local_flat] * len(peers), list(gathered), peers, group, caller)
         else:
             gathered = pool.take((world, local_flat.numel()), local_flat.dtype, local_flat.device)
             works = rt.launched([_all_gather_single(gathered.view(-1), local_flat, group=group, async_op=True)],
                                 reads=[local_flat], writes=[gathered])
-    return PendingGather(works, gathered, local_flat, sent, stamped, rank, world, device, stream, sent_bytes, caller)
+    return PendingGather(works, gathered, local_flat, sent, route, headers, expected, rank, world, device, stream,
+                         sent_bytes, caller)
 
 
 def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numels: list[int],
@@ -308,25 +426,29 @@ def finish_gather(pending: PendingGather, fulls: list[torch.Tensor], shard_numel
     `fulls` were allocated on the compute stream before the gather was issued.
     """
     rt = runtime.active
-    world = pending.world
+    world, rank = pending.world, pending.rank
     with rt.use(pending.stream):
+        if pending.headers is not None:
+            pending.headers.check(pending.caller, pending.works)
         wait_all(pending.works, pending.caller, on_device=pending.stream is not None)
         outs = [full.view(world, -1) for full in fulls]  # each [world, shard_numel]
         with torch.no_grad():
-            if pending.stamped:
-                stamps = pending.gathered.new_empty((world, STAMP_BITS))
-                torch.split_with_sizes_copy(pending.gathered, [*shard_numels, STAMP_BITS], dim=1,
-                                            out=[*outs, stamps])
-                check_stamps(stamps, pending.caller.tag)
-                rt.reads(pending.gathered)
-            elif pending.gathered.size(0) == world:
+            if pending.route == "native":
                 torch.split_with_sizes_copy(pending.gathered, shard_numels, dim=1, out=outs)
                 rt.reads(pending.gathered)
             else:
-                rows = list(pending.gathered)
-                rows.insert(pending.rank, pending.local_flat)
-                for r, row in enumerate(rows):
-                    torch.split_with_sizes_copy(row, shard_numels, out=[out[r] for out in outs])
+                if pending.route == "all_to_all":
+                    before, after = received_rows(pending.gathered, rank, pending.sent[0].nbytes, pending.sent.dtype)
+                    check_rows(before, after, pending.expected, rank)
+                    lead = header_elements(pending.sent.dtype)
+                    before, after = before[:, lead:], after[:, lead:]
+                else:  # point-to-point, or no group: the peers' rows, if any
+                    before, after = pending.gathered[:rank], pending.gathered[rank:]
+                for rows, first in ((before, 0), (after, rank + 1)):
+                    if rows.size(0):
+                        torch.split_with_sizes_copy(rows, shard_numels, dim=1,
+                                                    out=[out[first : first + rows.size(0)] for out in outs])
+                torch.split_with_sizes_copy(pending.local_flat, shard_numels, out=[out[rank] for out in outs])
                 rt.reads(pending.gathered, pending.local_flat)
         rt.writes(*fulls)
     rt.wait_stream(rt.current_stream(pending.device), pending.stream)
@@ -386,10 +508,12 @@ class PendingReduce:
     """A reduction in flight; `finish_reduce` turns it into this rank's averaged row."""
 
     works: list  # the reduce-scatter (or the point-to-point messages, or the all_to_all) inside the shard group
-    sent: torch.Tensor | None  # [world, row_numel (+ STAMP_BITS)], kept alive until the sends are done
-    received: torch.Tensor | None  # gloo: rows from the peers, in rank order ([world - 1, row_numel];
-    # all_to_all: every rank's, each followed by its stamp, [world, row_numel + STAMP_BITS])
-    stamped: bool  # the all_to_all route, Note [named hangs]
+    sent: torch.Tensor | None  # [world, (header +) row_numel], kept alive until the sends are done
+    received: torch.Tensor | None  # point-to-point: rows from the peers, in rank order ([world - 1, row_numel]);
+    # all_to_all: every rank's, each led by its header, as `all_to_all` lays them out (uint8)
+    route: str  # runtime.route's, or "none" (no shard group)
+    headers: Headers | None  # point-to-point's
+    expected: torch.Tensor | None  # all_to_all's: the header every row must lead with
     rank: int
     shard: torch.Tensor  # [row_numel]
     stream: torch.cuda.Stream | None  # the reduce stream
@@ -428,16 +552,17 @@ def reduce_scatter_grads(
     dtype, device, row_numel = shard.dtype, shard.device, shard.numel()
     world, rank = (shard_group.size(), shard_group.rank()) if shard_group is not None else (1, 0)
     compute, stream = rt.current_stream(device), rt.side_stream(device, "reduce")
-    sent, received, works = None, None, []
+    sent, received, works, headers, expected = None, None, [], None, None
     route = rt.route(shard_group, device, row_numel * shard.element_size()) if shard_group is not None else "none"
-    gloo, stamped = route in ("p2p", "all_to_all"), route == "all_to_all"
+    gloo = route in ("p2p", "all_to_all")
+    lead = header_elements(dtype) if route == "all_to_all" else 0  # the header's elements leading each row
     peers = [r for r in range(world) if r != rank]
     rows = None  # [world, row_numel]: every rank's rows
     if shard_group is None:
         pack_rows(grads, shard_numels, shard.view(1, -1))  # the only row is the result
     else:
-        sent = pool.take((world, row_numel + STAMP_BITS) if stamped else (world, row_numel), dtype, device)
-        rows = sent[:, :row_numel] if stamped else sent
+        sent = pool.take((world, lead + row_numel), dtype, device)
+        rows = sent[:, lead:]
         pack_rows(grads, shard_numels, rows)
         if gloo:  # own row straight into the result, Note [collective choice]
             shard.copy_(rows[rank])
@@ -455,22 +580,22 @@ def reduce_scatter_grads(
                 rt.writes(divided)
     rt.wait_stream(stream, compute)  # Note [streams]: the rows were packed on the compute stream
     with rt.use(stream):
-        if stamped:
-            sent[:, row_numel:].copy_(stamp(caller.tag, dtype, device).expand(world, -1))
-            received = pool.take((world, row_numel + STAMP_BITS), dtype, device)
-            works = all_to_all(sent, received, shard_group)
+        if lead:
+            expected = write_header(sent, caller, rows[0].nbytes)
+            received = receive_buffer(pool, world, device)
+            works = all_to_all(sent, received, shard_group, rank)
         elif gloo:
             received = pool.take((world - 1, row_numel), dtype, device)  # [world - 1, row_numel]
-            works = exchange([sent[r] for r in peers], list(received), peers, shard_group, caller.tag)
+            headers, works = exchange([sent[r] for r in peers], list(received), peers, shard_group, caller)
         elif shard_group is not None:
             works = rt.launched([_reduce_scatter_single(shard, sent.view(-1), op=op, group=shard_group,
                                                         async_op=True)], reads=[sent], writes=[shard])
-    pending = PendingReduce(works, sent, received, stamped, rank, shard, stream, replicate_group, op, divide_after,
-                            caller)
+    pending = PendingReduce(works, sent, received, route, headers, expected, rank, shard, stream, replicate_group, op,
+                            divide_after, caller)
     if shard_group is not None:
         pending.traffic.append(("reduce_scatter", (world - 1) * row_numel * shard.element_size()))
-    if replicate_group is not None and not gloo:  # at once, on its own stream, behind the reduce-scatter
-        with rt.use(stream):
+    if replicate_group is not None and not gloo:
+        with rt.use(stream):  # at once, on its own stream, behind the reduce-scatter
             wait_all(works, caller, on_device=stream is not None)
         pending.works = []
         start_all_reduce(pending)
@@ -478,9 +603,12 @@ def reduce_scatter_grads(
 
 
 def start_all_reduce(pending: PendingReduce) -> None:
-    """Issue the all-reduce of the row across replicas on the all-reduce stream, after the reduce stream."""
+    """Issue the all-reduce of the row across replicas on the all-reduce stream, after the reduce stream
+    (on gloo, once every replica's header says it reduces the same row: Note [named hangs])."""
     rt = runtime.active
-    shard, group = pending.shard, pending.replicate_group
+    shard, group, caller = pending.shard, pending.replicate_group, pending.caller
+    if rt.checks_headers(group):
+        check_over(group, dataclasses.replace(caller, kind=2), shard.nbytes)
     pending.all_reduce_stream = rt.side_stream(shard.device, "all_reduce")
     rt.wait_stream(pending.all_reduce_stream, pending.stream)
     with rt.use(pending.all_reduce_stream):
@@ -489,18 +617,32 @@ def start_all_reduce(pending: PendingReduce) -> None:
     pending.traffic.append(("all_reduce", all_reduce_bytes(shard.numel(), shard.element_size(), group.size())))
 
 
+def check_over(group: dist.ProcessGroup, caller: Caller, nbytes: int) -> None:
+    """Every rank of `group` is about to run `caller`'s collective on `nbytes`: its header,
+    all-gathered (a fixed size, so any peer's fits) and waited for; MismatchedRows otherwise."""
+    mine = header(caller.uid, caller.kind, nbytes)
+    everyone = all_gather_ints(mine, device=torch.device("cpu"), timeout=caller.timeout, group=group,
+                               what=HEADERS)
+    check_headers(torch.tensor(everyone, dtype=torch.int64), mine, list(range(len(everyone))))
+
+
 def finish_reduce(pending: PendingReduce, pool: BufferPool) -> torch.Tensor:
     """Wait for the reduction; return this rank's row averaged over the data-parallel ranks,
     ready for the compute stream."""
     rt = runtime.active
-    shard, stream = pending.shard, pending.stream
+    shard, stream, rank = pending.shard, pending.stream, pending.rank
     with rt.use(stream):
+        if pending.headers is not None:
+            pending.headers.check(pending.caller, pending.works)
         wait_all(pending.works, pending.caller, on_device=stream is not None)
         if pending.received is not None:  # own row first, then the peers' in rank order, Note [averaging]
-            peer_rows = list(pending.received)
-            if pending.stamped:  # every rank's row, Note [named hangs]
-                check_stamps(pending.received[:, shard.numel():], pending.caller.tag)
-                peer_rows = [row[: shard.numel()] for r, row in enumerate(peer_rows) if r != pending.rank]
+            if pending.route == "all_to_all":
+                before, after = received_rows(pending.received, rank, pending.sent[0].nbytes, shard.dtype)
+                check_rows(before, after, pending.expected, rank)
+                lead = header_elements(shard.dtype)
+                peer_rows = [*before[:, lead:], *after[:, lead:]]
+            else:
+                peer_rows = list(pending.received)
             total = shard
             if shard.dtype in LOW_PRECISION:  # round once, Note [averaging]
                 total = pool.take((shard.numel(),), torch.float32, shard.device)  # [row_numel]
@@ -547,6 +689,8 @@ def all_reduce_tensors(tensors: list[torch.Tensor], *, group: dist.ProcessGroup,
     """Sum `tensors` in place over `group`, packed into one all-reduce; returns the bytes this rank sent."""
     rt = runtime.active
     flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
+    if rt.checks_headers(group):
+        check_over(group, caller, flat.nbytes)
     rt.reads(*tensors)
     rt.allocated(flat)
     rt.writes(flat)

@@ -22,13 +22,12 @@ from typing import Any
 import torch
 
 from fullshard.files import View, name
-from fullshard.manifest import (MAX_INT, Chunk, Contents, Layout, SavedTensor, SavedValue, coverage_problem,
-                                layout_problem, overlap_problem)
+from fullshard.manifest import (DEADLINE_EVERY, LOADABLE, MAX_INT, Chunk, Contents, Layout, SavedTensor, SavedValue,
+                                check_deadline, coverage_problem, gc_paused, layout_problem, overlap_problem)
 from fullshard.pickle_data import Budget, Call, Dict, Global, Object, Persistent, PickleDataError, parse, plain
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 STORAGE_INFO = Global("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-TORCH_DTYPES = {name_: value for name_ in dir(torch) if isinstance(value := getattr(torch, name_), torch.dtype)}
 STORAGE_DTYPES = {storage: dtype for dtype, storage in torch.storage._dtype_to_storage_type_map().items()}
 MAX_HEADER = 1 << 20  # a record's data.pkl: a tensor's is ~150 bytes, a value's a few KB
 MAX_VALUE = 1 << 24
@@ -90,9 +89,10 @@ def size(node: Any, what: str) -> tuple[int, ...]:
 
 
 def dtype_of(node: Any) -> torch.dtype:
-    if not (isinstance(node, Global) and node.module == "torch" and node.name in TORCH_DTYPES):
-        raise FormatError(f"a tensor's dtype must be a torch dtype, not {shape_of(node)}")
-    return TORCH_DTYPES[node.name]
+    if not (isinstance(node, Global) and node.module == "torch" and node.name in LOADABLE):
+        raise FormatError(f"a tensor's dtype must be one fullshard loads ({', '.join(LOADABLE)}), not "
+                          f"{node.name if isinstance(node, Global) else shape_of(node)}"[:400])
+    return LOADABLE[node.name]
 
 
 def properties_dtype(node: Any, budget: Budget) -> torch.dtype:
@@ -115,10 +115,15 @@ def properties_dtype(node: Any, budget: Budget) -> torch.dtype:
     return dtype_of(fields["dtype"])
 
 
-def read_metadata(data: bytes, where: str) -> Contents:
-    """What a plain DCP directory holds, from its .metadata (Note [pickles as data])."""
+def read_metadata(data: bytes, where: str, deadline: float = math.inf) -> Contents:
+    """What a plain DCP directory holds, from its .metadata (Note [pickles as data]), by `deadline`."""
+    with gc_paused():
+        return metadata_contents(data, where, deadline)
+
+
+def metadata_contents(data: bytes, where: str, deadline: float) -> Contents:
     try:
-        tree = parse(data)
+        tree = parse(data, deadline)
         budget = Budget(64 * len(data) + 1024)
         top = fields_of(tree, meta_class("Metadata"), {"state_dict_metadata"},
                         {"planner_data", "storage_data", "storage_meta", "version"}, budget)
@@ -140,7 +145,10 @@ def read_metadata(data: bytes, where: str) -> Contents:
             if not isinstance(fields["chunks"], list):
                 raise FormatError(f"{key}'s chunks must be a list")
             chunks = []
-            for raw in fields["chunks"]:
+            check_deadline(deadline, f"{key}'s {len(fields['chunks'])} chunks")
+            for i, raw in enumerate(fields["chunks"]):
+                if i % DEADLINE_EVERY == DEADLINE_EVERY - 1:
+                    check_deadline(deadline, f"{key}'s {len(fields['chunks'])} chunks")
                 place = fields_of(raw, meta_class("ChunkStorageMetadata"), {"offsets", "sizes"}, set(), budget)
                 offsets, sizes = size(place["offsets"], f"{key}'s chunk"), size(place["sizes"], f"{key}'s chunk")
                 if len(offsets) != len(shape) or len(sizes) != len(shape) or \

@@ -250,10 +250,11 @@ class UnitHooks:
             units = list(dict.fromkeys(hooks for module in names for hooks in hooks_on(module)))
             root = Root(units, self.schedule)
             fqns = [names[hooks.unit.module] or "<root>" for hooks in units]
+            model = f"model {self.unit.uid} ({self.unit.class_name})"  # Note [named hangs]
             for index, hooks in enumerate(units):
                 hooks.root = root
                 hooks.is_root = hooks is self
-                hooks.unit.join(fqns[index], index, fqns, root.pool, root.stats)
+                hooks.unit.join(fqns[index], index, fqns, model, root.pool, root.stats)
         return self.root
 
     def set_prefetch_targets(self, *, forward: list[Unit] | None = None, backward: list[Unit] | None = None) -> None:

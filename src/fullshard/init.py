@@ -24,7 +24,7 @@ from fullshard.module import FSDPModule
 from fullshard.options import Schedule, UnitOptions
 from fullshard.param import local_values
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fullshard.unit import OwnedParam, Unit, unit_of
+from fullshard.unit import OwnedParam, Unit, next_uid, unit_of
 
 
 # Original parameter -> description of the unit that took it. A parameter registered in
@@ -299,15 +299,16 @@ def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forwa
             if part is None:
                 parts.append((shard_group(o.mesh), part := []))
             part.append(o)
+    uids = []
     for group, part in parts:
         check_owned(what, part, group)
-        check_ranks_agree(f"this {what}",
-                          [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad, o.dim)
-                           for o in part], bit_sums([local_values(o.param) for o in part]), group.device,
-                          dp_groups(group))
+        uids.append(check_ranks_agree(f"this {what}",
+                                      [(o.fqn, tuple(o.param.shape), str(o.param.dtype), o.param.requires_grad, o.dim)
+                                       for o in part], bit_sums([local_values(o.param) for o in part]),
+                                      group.device, dp_groups(group), next_uid(uids[-1] if uids else -1)))
     mp = mp_policy or MixedPrecisionPolicy()
     units = []
-    for group, part in parts:
+    for (group, part), uid in zip(parts, uids):
         free, post_forward_world = after_forward(reshard_after_forward, group)
         options = UnitOptions(
             free_after_forward=free,
@@ -320,7 +321,7 @@ def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forwa
             gather_block=mp.gather_block if mp.gather_dtype is torch.int8 else None,
             pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
         )
-        units.append(Unit(modules, part, group, options))
+        units.append(Unit(modules, part, group, options, uid))
     claim(owned, what, ignored)
     # the call's own mesh's unit hooks the modules last, so its pre-forward runs first (the root's is the root)
     hooks = [UnitHooks(unit, schedule) for unit in reversed(units)][::-1]

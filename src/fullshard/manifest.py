@@ -9,35 +9,64 @@ closed schema that writes them down.
 # step, the user's `extra`, the optimizer's class; and each data file's size and CRC-32.
 # `read` checks every field for its type and range before anything is used: names of
 # files are one path component (files.name), every chunk lies inside its tensor, its
-# bytes inside its file, and the chunks of a tensor do not overlap. DCP's own .metadata is
-# written beside it for torch.distributed.checkpoint's readers; fullshard never reads it
-# back for its own checkpoints.
+# bytes inside its file, and the chunks of a tensor do not overlap (Note [chunk layouts]).
+# Where a chunk's values lie is read again from its record's own torch.save header when
+# the chunk is read, and must agree with the manifest's, as must its dtype.
+# Every check is linear, or a sort, in the size of the manifest, and runs under the load's
+# deadline. DCP's own .metadata is written beside it for torch.distributed.checkpoint's
+# readers; fullshard never reads it back for its own checkpoints.
+#
+# Note [loaded dtypes]: a dtype a file names is one of LOADABLE (the plain numeric dtypes and
+# float8; not the quantized, sub-byte or bit dtypes, which torch cannot copy, or not without
+# crashing), and it must be the dtype of what the value lands in: the model's tensor, or the
+# optimizer state the optimizer holds. Where the optimizer holds none yet, it is what torch's
+# Optimizer.load_state_dict makes of it: a state value of a floating-point parameter is cast to
+# the parameter's dtype, so it must be floating-point; "step" stays as it is, so it must be a
+# real number type. Floating-point values may land in another floating-point dtype of
+# FLOAT_CASTS (a bf16 checkpoint into fp32 masters); nothing else is cast, so no value is ever
+# read as another type's bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
 from fullshard.errors import fail
-from fullshard.files import name
+from fullshard.files import Overdue, name
 
 FORMAT = 2
 MAX_DIMS = 16
 MAX_INT = 2**62  # sizes, offsets and steps beyond this are not a real checkpoint's
-DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in
-          (getattr(torch, attr) for attr in dir(torch)) if isinstance(dtype, torch.dtype)}
+LOADABLE = {name_: getattr(torch, name_) for name_ in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16", "float32",
+    "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e8m0fnu") if isinstance(getattr(torch, name_, None), torch.dtype)}  # Note [loaded dtypes]
+FLOAT_CASTS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+REAL = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *FLOAT_CASTS})
+CHUNK_FIELDS = frozenset({"offsets", "sizes", "file", "start", "length", "data_offset", "storage_numel",
+                          "storage_offset", "stride"})
+DEADLINE_EVERY = 4096  # chunks checked between looks at the clock
 
 
-@dataclass(frozen=True)
-class Layout:
+def dtype_problem(saved: torch.dtype, target: torch.dtype) -> str | None:
+    """Why a value saved as `saved` cannot land in a tensor of `target` (Note [loaded dtypes])."""
+    if saved == target or saved in FLOAT_CASTS and target in FLOAT_CASTS:
+        return None
+    return f"saved as {dtype_name(saved)}, lands in {dtype_name(target)}"
+
+
+class Layout(NamedTuple):
     """Where a chunk's values lie in its file: a storage of `storage_numel` elements starting at
-    byte `data_offset`, and the chunk's view of it."""
+    byte `data_offset`, and the chunk's view of it. (Tuples: a manifest may list 10^5 of them.)"""
 
     data_offset: int
     storage_numel: int
@@ -45,8 +74,7 @@ class Layout:
     stride: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """A saved piece of a tensor: its place in the whole tensor and its record in a file (DCP's
     storage item: `start`, `length`); `layout` None when only the record's torch.save header
     tells where the values are (a plain DCP directory's)."""
@@ -142,17 +170,50 @@ class Schema:
         return value
 
     def ints(self, value: Any, field_name: str, length: int | None = None, low: int = 0) -> tuple[int, ...]:
+        if type(value) is list and len(value) == length:  # the usual case, without a call per element
+            good = True
+            for v in value:
+                good = good and type(v) is int and low <= v <= MAX_INT
+            if good:
+                return tuple(value)
         if not isinstance(value, list) or len(value) > MAX_DIMS or length is not None and len(value) != length:
             raise self.bad(field_name, f"must be a list of {length if length is not None else 'at most 16'} "
                                        f"integers, not {value!r}"[:300])
         return tuple(self.integer(v, f"{field_name}[{i}]", low) for i, v in enumerate(value))
 
 
-def read(text: str, where: str) -> Contents:
-    """Contents of a fullshard.json, every field checked (Note [manifest])."""
-    schema = Schema(where)
+def read(text: str, where: str, deadline: float = math.inf) -> Contents:
+    """Contents of a fullshard.json, every field checked (Note [manifest]) by `deadline` (time.monotonic())."""
+    with gc_paused():
+        return read_checked(text, where, deadline)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cycle collector off inside: a manifest makes millions of objects, none of them
+    cycles, and each collection would walk all of them (two thirds of the time of a large one)."""
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        doc = json.loads(text)
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def read_checked(text: str, where: str, deadline: float) -> Contents:
+    schema = Schema(where)
+    objects = 0
+
+    def counted(obj: dict) -> dict:  # called for every JSON object: parsing a huge file keeps the deadline
+        nonlocal objects
+        objects += 1
+        if objects % DEADLINE_EVERY == 0:
+            check_deadline(deadline, f"{where} ({len(text)} bytes)")
+        return obj
+
+    try:
+        doc = json.loads(text, object_hook=counted)
     except (ValueError, RecursionError) as e:
         raise schema.bad("the file", f"is not JSON ({e})") from None
     doc = schema.object(doc, "the document", {"format", "byteorder", "step", "extra", "optimizer", "files", "tensors",
@@ -172,7 +233,7 @@ def read(text: str, where: str) -> Contents:
                        schema.integer(info["crc32"], f"files[{file!r}].crc32", high=2**32 - 1))
     contents = Contents(files=files, step=step, extra=doc["extra"], optimizer=doc["optimizer"], fullshard=True)
     for key, entry in schema.mapping(doc["tensors"], "tensors").items():
-        contents.tensors[key] = read_tensor(schema, key, entry, files)
+        contents.tensors[key] = read_tensor(schema, key, entry, files, deadline)
     for key, value in schema.mapping(doc["values"], "values").items():
         if key in contents.tensors:
             raise schema.bad(f"values[{key!r}]", "names a tensor too")
@@ -180,40 +241,85 @@ def read(text: str, where: str) -> Contents:
     return contents
 
 
-def read_tensor(schema: Schema, key: str, entry: Any, files: dict[str, tuple[int, int]]) -> SavedTensor:
+def read_tensor(schema: Schema, key: str, entry: Any, files: dict[str, tuple[int, int]],
+                deadline: float) -> SavedTensor:
     where = f"tensors[{key!r}]"
+    check_deadline(deadline, where)
     entry = schema.object(entry, where, {"dtype", "shape", "chunks"})
-    if entry["dtype"] not in DTYPES:
-        raise schema.bad(f"{where}.dtype", f"is not a torch dtype: {entry['dtype']!r}"[:300])
-    dtype = DTYPES[entry["dtype"]]
+    if entry["dtype"] not in LOADABLE:
+        raise schema.bad(f"{where}.dtype", f"is not a dtype fullshard loads: {entry['dtype']!r} (it loads "
+                                           f"{', '.join(LOADABLE)})"[:400])
+    dtype = LOADABLE[entry["dtype"]]
     shape = schema.ints(entry["shape"], f"{where}.shape")
     if not isinstance(entry["chunks"], list):
         raise schema.bad(f"{where}.chunks", "must be a list")
     chunks = []
     for i, raw in enumerate(entry["chunks"]):
-        at = f"{where}.chunks[{i}]"
-        raw = schema.object(raw, at, {"offsets", "sizes", "file", "start", "length", "data_offset", "storage_numel",
-                                      "storage_offset", "stride"})
-        offsets = schema.ints(raw["offsets"], f"{at}.offsets", len(shape))
-        sizes = schema.ints(raw["sizes"], f"{at}.sizes", len(shape))
-        if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
-            raise schema.bad(at, f"lies outside the tensor's shape {list(shape)}")
-        file = name(raw["file"], f"{at}.file")
-        if file not in files:
-            raise schema.bad(f"{at}.file", f"names {file!r}, which the manifest's files do not list")
-        start, length = schema.integer(raw["start"], f"{at}.start"), schema.integer(raw["length"], f"{at}.length")
-        if start + length > files[file][0]:
-            raise schema.bad(at, f"reaches byte {start + length} of {file!r}, which holds {files[file][0]}")
-        layout = Layout(schema.integer(raw["data_offset"], f"{at}.data_offset"),
-                        schema.integer(raw["storage_numel"], f"{at}.storage_numel"),
-                        schema.integer(raw["storage_offset"], f"{at}.storage_offset"),
-                        schema.ints(raw["stride"], f"{at}.stride", len(shape)))
-        if problem := layout_problem(layout, sizes, dtype.itemsize, length):
-            raise schema.bad(at, problem)
-        chunks.append(Chunk(offsets, sizes, file, start, length, layout))
+        if i % DEADLINE_EVERY == DEADLINE_EVERY - 1:
+            check_deadline(deadline, f"{where}'s {len(entry['chunks'])} chunks")
+        if type(raw) is not dict or raw.keys() != CHUNK_FIELDS:
+            schema.object(raw, f"{where}.chunks[{i}]", CHUNK_FIELDS)  # raises, naming the fields
+        chunk = fast_chunk(raw, shape, files, dtype.itemsize)
+        chunks.append(chunk or checked_chunk(schema, f"{where}.chunks[{i}]", raw, shape, files, dtype.itemsize))
     if problem := overlap_problem(chunks) or coverage_problem(chunks, shape):
         raise schema.bad(where, problem)
     return SavedTensor(dtype, shape, tuple(chunks))
+
+
+def fast_chunk(raw: dict, shape: tuple[int, ...], files: dict[str, tuple[int, int]], itemsize: int) -> Chunk | None:
+    """A chunk entry of the usual kind, all of whose checks pass, without a call per field;
+    None when any check fails (checked_chunk then says which)."""
+    offsets, sizes, stride, file = raw["offsets"], raw["sizes"], raw["stride"], raw["file"]
+    start, length, data_offset, numel, storage_offset = (raw["start"], raw["length"], raw["data_offset"],
+                                                         raw["storage_numel"], raw["storage_offset"])
+    ndim = len(shape)
+    if not (type(offsets) is list and type(sizes) is list and type(stride) is list and len(offsets) == ndim
+            and len(sizes) == ndim and len(stride) == ndim and type(file) is str and file in files):
+        return None
+    count, last = 1, storage_offset
+    for o, z, d, n in zip(offsets, sizes, stride, shape):
+        if not (type(o) is int and type(z) is int and type(d) is int and 0 <= o and 0 <= z and 0 <= d <= MAX_INT
+                and o + z <= n):
+            return None
+        count *= z
+        last += (z - 1) * d
+    for v in (start, length, data_offset, numel, storage_offset):
+        if not (type(v) is int and 0 <= v <= MAX_INT):
+            return None
+    if start + length > files[file][0] or data_offset + numel * itemsize > length or count > numel or \
+            count and last >= numel:
+        return None
+    return Chunk(tuple(offsets), tuple(sizes), file, start, length,
+                 Layout(data_offset, numel, storage_offset, tuple(stride)))
+
+
+def checked_chunk(schema: Schema, at: str, raw: dict, shape: tuple[int, ...], files: dict[str, tuple[int, int]],
+                  itemsize: int) -> Chunk:
+    """A chunk entry checked field by field, raising for the first that is wrong (Note [manifest])."""
+    ndim = len(shape)
+    offsets = schema.ints(raw["offsets"], f"{at}.offsets", ndim)
+    sizes = schema.ints(raw["sizes"], f"{at}.sizes", ndim)
+    if any(o + z > n for o, z, n in zip(offsets, sizes, shape)):
+        raise schema.bad(at, f"lies outside the tensor's shape {list(shape)}")
+    file = name(raw["file"], f"{at}.file")
+    if file not in files:
+        raise schema.bad(f"{at}.file", f"names {file!r}, which the manifest's files do not list")
+    start, length = schema.integer(raw["start"], f"{at}.start"), schema.integer(raw["length"], f"{at}.length")
+    if start + length > files[file][0]:
+        raise schema.bad(at, f"reaches byte {start + length} of {file!r}, which holds {files[file][0]}")
+    layout = Layout(schema.integer(raw["data_offset"], f"{at}.data_offset"),
+                    schema.integer(raw["storage_numel"], f"{at}.storage_numel"),
+                    schema.integer(raw["storage_offset"], f"{at}.storage_offset"),
+                    schema.ints(raw["stride"], f"{at}.stride", ndim))
+    if problem := layout_problem(layout, sizes, itemsize, length):
+        raise schema.bad(at, problem)
+    return Chunk(offsets, sizes, file, start, length, layout)
+
+
+def check_deadline(deadline: float, what: str) -> None:
+    """Overdue (an OSError) once `deadline` (time.monotonic()) has passed: checking `what` took too long."""
+    if time.monotonic() > deadline:
+        raise Overdue(f"checking {what} did not finish within the load's timeout")
 
 
 def layout_problem(layout: Layout, sizes: tuple[int, ...], itemsize: int, length: int) -> str | None:
@@ -234,13 +340,37 @@ def coverage_problem(chunks: list[Chunk], shape: tuple[int, ...]) -> str | None:
     return None if covered == math.prod(shape) else f"has chunks of {covered} of its {math.prod(shape)} elements"
 
 
+# Note [chunk layouts]: the chunks of a tensor must not overlap (each place saved once, so a
+# rank that counts the elements it read knows it read all of its part). Checking every pair
+# is quadratic, so the check is a sort: dims along which every chunk spans the same extent are
+# left out; along one dim left, the chunks sorted by offset must each end before the next
+# begins; along several, they must form a grid: along each dim, any two chunks' extents are
+# the same or apart, and no two chunks have the same extent along every dim. Every layout a
+# DTensor's placements give has this form (row shards, tensor-parallel column shards, both at
+# once); a manifest of another is refused as one fullshard does not read.
+
+
 def overlap_problem(chunks: list[Chunk]) -> str | None:
-    """Why the chunks of one tensor overlap, if they do (each place of it saved once)."""
-    boxes = sorted((c.offsets, c.sizes) for c in chunks if math.prod(c.sizes))
-    for i, (offsets, sizes) in enumerate(boxes):
-        for other_offsets, other_sizes in boxes[i + 1 :]:
-            if other_offsets[:1] and other_offsets[0] >= offsets[0] + sizes[0]:
-                break  # sorted by the first offset: no later chunk reaches back into this one
-            if all(o < p + t and p < o + s for o, s, p, t in zip(offsets, sizes, other_offsets, other_sizes)):
-                return f"has chunks at {list(offsets)} and {list(other_offsets)} that overlap"
+    """Why the chunks of one tensor overlap, or are not laid out as Note [chunk layouts] says."""
+    boxes = [(c.offsets, c.sizes) for c in chunks if math.prod(c.sizes)]
+    if len(boxes) < 2:
+        return None
+    dims = [d for d in range(len(boxes[0][0])) if len({(offsets[d], sizes[d]) for offsets, sizes in boxes}) > 1]
+    if not dims:
+        return f"has {len(boxes)} chunks at {list(boxes[0][0])} that overlap"
+    if len(dims) == 1:
+        d = dims[0]
+        spans = sorted((offsets[d], offsets[d] + sizes[d], offsets) for offsets, sizes in boxes)
+        for (_, end, offsets), (start, _, other) in zip(spans, spans[1:]):
+            if start < end:
+                return f"has chunks at {list(offsets)} and {list(other)} that overlap"
+        return None
+    for d in dims:
+        spans = sorted({(offsets[d], offsets[d] + sizes[d]) for offsets, sizes in boxes})
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            if start < end:
+                return f"has chunks whose extents along dim {d} ({end - start} elements) partly overlap"
+    places = {tuple((offsets[d], sizes[d]) for d in dims) for offsets, sizes in boxes}
+    if len(places) < len(boxes):
+        return "has two chunks at the same place that overlap"
     return None

@@ -17,7 +17,9 @@
 
 from __future__ import annotations
 
+import math
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +64,9 @@ class Mark:
 MARK = Mark()
 
 
-def parse(data: bytes) -> Any:
-    """The value a pickle stream describes, as the tree of Note [pickles as data]."""
+def parse(data: bytes, deadline: float = math.inf) -> Any:
+    """The value a pickle stream describes, as the tree of Note [pickles as data], parsed by
+    `deadline` (time.monotonic(); PickleDataError after it)."""
     stack: list[Any] = []
     memo: dict[int, Any] = {}
     pos, end = 0, len(data)
@@ -103,8 +106,12 @@ def parse(data: bytes) -> Any:
             raise PickleDataError(f"an opcode at byte {pos} adds to something that is not a {kind.__name__}")
         return stack[-1]
 
+    ops = 0
     while True:
         op = take(1)
+        ops += 1
+        if ops % 65536 == 0 and time.monotonic() > deadline:
+            raise PickleDataError(f"parsing did not finish within the load's timeout (at byte {pos} of {end})")
         if op == b"\x80":  # PROTO
             if take(1)[0] > 5:
                 raise PickleDataError("the stream's pickle protocol is newer than 5")

@@ -9,13 +9,16 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from fullshard import runtime
-from fullshard.collectives import BufferPool, all_gather_ints
+from fullshard.collectives import BufferPool, all_gather_ints, site
 from fullshard.errors import fail
 from fullshard.options import Schedule
 from fullshard.runtime import CollectiveError, labelled
 from fullshard.schedule import Scheduler
 from fullshard.stats import Stats
-from fullshard.unit import ShardState, Unit
+from fullshard.unit import ShardState, Unit, described
+
+FIRST_FORWARD = site("the check of the first forward")
+NONFINITE = site("the non-finite check")
 
 
 class Root:
@@ -43,25 +46,32 @@ class Root:
                 unit.adopt_replaced()
 
     def check_first_forward(self, root: Unit) -> None:
-        """Before the first gather: every rank runs this forward, and all with gradients or all
-        without. The usual first mistake, evaluating on rank 0 alone before training, then
-        fails here at once on every rank, instead of after the timeout (one small all-gather
-        per model, once)."""
-        if self.checked_first_forward or root.group.shard_pg is None:  # none: no gathers to mismatch
+        """Before the first gather: every rank runs this forward, of this model (Note [named
+        hangs]), and all with gradients or all without. The usual first mistakes, evaluating on
+        rank 0 alone before training or calling two models in another order on some ranks, then
+        fail here at once on every rank, instead of after the timeout or with rows mixed (one
+        small all-gather per model, once)."""
+        if self.checked_first_forward:
             return
-        try:
-            modes = [grad for (grad,) in all_gather_ints([torch.is_grad_enabled()], device=root.group.device,
-                                                         timeout=root.timeout, group=root.group.shard_pg)]
-        except CollectiveError as e:
-            raise root.failed("check of the first forward", e) from None
-        if len(set(modes)) > 1:
-            seen = "; ".join(f"rank {r}: {'training (with gradients)' if grad else 'without gradients (evaluation)'}"
-                             for r, grad in enumerate(modes))
-            raise fail(f"ranks run their first forward differently ({seen})",
-                       "Every rank must run every forward of a sharded model, since each gathers parameters from "
-                       "all ranks: evaluate on every rank (average the losses with dist.all_reduce), or on rank 0 "
-                       "alone inside `with fullshard.full_params(model, rank0_only=True, writeback=False):`, "
-                       "which every rank enters.")
+        # the shard group only: forward communicates nowhere else (no_shard's forward, evaluation
+        # on one rank included, needs no peer; its reductions check their headers)
+        for group in [root.group.shard_pg] if root.group.shard_pg is not None else []:
+            try:
+                everyone = all_gather_ints([torch.is_grad_enabled(), root.uid], device=root.group.device,
+                                           timeout=root.timeout, group=group, what=FIRST_FORWARD)
+            except CollectiveError as e:
+                raise root.failed("check of the first forward", e) from None
+            if len(set(map(tuple, everyone))) > 1:
+                ranks = dist.get_process_group_ranks(group)
+                seen = "; ".join(f"rank {ranks[r]}: {described(uid, whole_model=True)}, "
+                                 f"{'training (with gradients)' if grad else 'without gradients (evaluation)'}"
+                                 for r, (grad, uid) in enumerate(everyone))
+                raise fail(f"ranks run their first forward differently ({seen})",
+                           "Every rank must run every forward of a sharded model, in the same order, since each "
+                           "gathers parameters from all ranks: run the same models in the same order on every "
+                           "rank, and evaluate on every rank (average the losses with dist.all_reduce), or on "
+                           "rank 0 alone inside `with fullshard.full_params(model, rank0_only=True, "
+                           "writeback=False):`, which every rank enters.")
         self.checked_first_forward = True  # only once it passed: a caller that catches the error is checked again
 
     # ---- backward ---------------------------------------------------------------------
@@ -121,7 +131,8 @@ class Root:
                 bad = torch.where(other.finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
             other.clear_finite()
         try:
-            codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout)]
+            codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout,
+                                                         what=NONFINITE)]
         except CollectiveError as e:
             raise unit.failed("non-finite check", e) from None
         if all(code < 0 for code in codes):

@@ -71,12 +71,22 @@ class CollectiveError(RuntimeError):
 
 class MismatchedRows(CollectiveError):
     """A peer sent the rows of another collective (Note [named hangs], tags.py): `peer` is its
-    rank in the group, `tag` the tag its rows carried (None: no tag at all)."""
+    rank in the group, `header` what its rows' header says, (unit id, kind, bytes), None when
+    they had none; `mine` this rank's header."""
 
-    def __init__(self, peer: int, tag: int | None) -> None:
-        super().__init__(f"group rank {peer} sent the rows of " + ("another collective" if tag is None else
-                                                                    f"the collective of message tag {tag}"))
-        self.peer, self.tag = peer, tag
+    def __init__(self, peer: int, header: tuple[int, int, int] | None, mine: tuple[int, int, int]) -> None:
+        super().__init__(f"group rank {peer} sent the rows of " + ("another collective" if header is None else
+                                                                    f"collective {header} (unit id, kind, bytes)"))
+        self.peer, self.header, self.mine = peer, header, mine
+
+
+class MismatchedCall(CollectiveError):
+    """A peer reached another of fullshard's all-gathers of integers (collectives.all_gather_ints)."""
+
+    names_the_collective = True  # errors.collective_failed says it as it is
+
+    def __init__(self, what: str, peer: int, theirs: str) -> None:
+        super().__init__(f"{what} met {theirs} of group rank {peer}")
 
 
 class OverdueCollective(CollectiveError):
@@ -217,6 +227,11 @@ class Runtime:
             return "native"
         return "all_to_all" if device.type == "cpu" and nbytes <= SMALL_MESSAGE else "p2p"
 
+    def checks_headers(self, group: dist.ProcessGroup) -> bool:
+        """Whether a collective of `group` that gloo's own algorithm runs is preceded by an
+        all-gather of the headers (Note [named hangs]): on gloo, whose waits block the host anyway."""
+        return self.route(group, torch.device("cpu"), 0) != "native"
+
     def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
         """`works` were just issued on the current stream, reading and writing these buffers."""
         return works
@@ -240,6 +255,10 @@ class Runtime:
         except RuntimeError as e:  # the backends raise RuntimeError subclasses for timeouts and lost peers
             abandon(works)
             raise CollectiveError(str(e).splitlines()[0]) from e
+
+    def wait_host_works(self, works: list, *, timeout: timedelta, what: str) -> None:
+        """The host waits for `works`, gloo's messages in host memory (Note [named hangs]'s headers)."""
+        self.wait_works(works, timeout=timeout, what=what, on_device=False)
 
     def marker(self) -> object:
         """An event on the current stream: its query() says whether the stream got there."""

@@ -5,8 +5,10 @@ Checkpoints on disk are checkpoint.py's.
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from fullshard import runtime
 from fullshard.collectives import full_tensor
 from fullshard.errors import fail, require
+from fullshard.manifest import FLOAT_CASTS, REAL, dtype_name, dtype_problem
 from fullshard.hooks import normal_tensors, units_of, units_under
 from fullshard.mesh import compute_device
 from fullshard.param import ShardedParam
@@ -246,11 +249,16 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, opt
     unknown = sorted(set(optim_sd.get("state", {})) - set(by_name))
     groups = optim_sd.get("param_groups", [])
     if unknown or len(groups) != len(optimizer.param_groups) or \
-            any(len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, optimizer.param_groups)):
+            any(sorted(g["params"]) != sorted(names[p] for p in mine["params"])
+                for g, mine in zip(groups, optimizer.param_groups)):
         raise fail(f"the optimizer state dict does not fit this optimizer (names the model lacks: {unknown}; "
                    f"param groups: {[len(g['params']) for g in groups]} saved, "
-                   f"{[len(g['params']) for g in optimizer.param_groups]} here)",
+                   f"{[len(g['params']) for g in optimizer.param_groups]} here, each of the same names)",
                    "Build the optimizer with the same parameter groups as the one that was saved.")
+    if problems := hyperparameter_problems(groups, optimizer):
+        raise fail(f"the optimizer state dict's hyperparameters do not fit this {type(optimizer).__name__} "
+                   f"({'; '.join(problems)})", "Load the state of an optimizer of this kind, as its state_dict() "
+                   "holds it.")
     index = {name: i for i, name in enumerate(names[p] for g in optimizer.param_groups for p in g["params"])}
     state = {}
     for name, values in optim_sd.get("state", {}).items():
@@ -258,8 +266,8 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, opt
         own = optimizer.state.get(param, {})
         state[index[name]] = {key: value if value is own.get(key) else shard_like(param, sharded.get(param), value)
                               for key, value in values.items()}
-    torch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
-                    for g in groups]
+    torch_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[names[p]] for p in mine["params"]]}
+                    for g, mine in zip(groups, optimizer.param_groups)]  # state is by name: the order is this one's
     for saved, mine in zip(torch_groups, optimizer.param_groups):  # JSON and DCP turn tuples into lists
         for key, value in saved.items():
             if isinstance(mine.get(key), tuple) and isinstance(value, list):
@@ -348,20 +356,27 @@ def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer itself is not touched."""
     names = param_names(model)
     sharded = sharded_params(units_under(model))
-    by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
     state: dict[str, dict[str, Any]] = {}
-    for key, item in saved.items():
-        if not key.startswith("optim.state."):
-            continue
-        name, value_key = key[len("optim.state."):].rsplit(".", 1)
-        param = by_name.get(name)
-        if param is None:
-            raise fail(f"the checkpoint holds optimizer state of {name!r}, which this optimizer does not step",
-                       "Build the optimizer with the same parameter groups as the one that was saved.")
+    for name, value_key, param, item in saved_state(model, optimizer, saved):
         state.setdefault(name, {})[value_key] = state_buffer(item, param, sharded.get(param))
     groups = [{**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"},
                "params": [names[p] for p in group["params"]]} for group in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
+
+
+def saved_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                saved: Mapping[str, Any]) -> Iterator[tuple[str, str, nn.Parameter, Any]]:
+    """(parameter name, state key, parameter, saved item) of each saved optimizer state item
+    ("optim.state.<name>.<key>"); a parameter the optimizer does not step is refused."""
+    names = param_names(model)
+    by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
+    for key, item in saved.items():
+        if key.startswith("optim.state."):
+            name, value_key = key[len("optim.state."):].rsplit(".", 1)
+            if name not in by_name:
+                raise fail(f"the checkpoint holds optimizer state of {name!r}, which this optimizer does not step",
+                           "Build the optimizer with the same parameter groups as the one that was saved.")
+            yield name, value_key, by_name[name], item
 
 
 def state_buffer(item: Any, param: nn.Parameter, sharded: ShardedParam | None) -> torch.Tensor | None:
@@ -374,3 +389,130 @@ def state_buffer(item: Any, param: nn.Parameter, sharded: ShardedParam | None) -
     if sharded is not None and size == tuple(param.shape) and (size or sharded.replicated):
         return sharded.as_dtensor(torch.empty(sharded.local_shape, dtype=dtype, device=sharded.local_shard().device))
     return torch.empty(size, dtype=dtype)
+
+
+# Note [loaded hyperparameters]: an optimizer's hyperparameters come back from a state dict or a
+# checkpoint as plain values (JSON), and torch's load_state_dict takes whatever it is given, to
+# fail at the next step (lr "x") or never (lr -1, betas of three). So each must be of the kind
+# the optimizer's own value is (a number for a number, finite where it is; a list of as many for
+# a tuple; a bool, a string, a tensor of its dtype and shape; None, a bool or a number for an
+# optional flag that is None), a key it lacks a plain scalar; and
+# the optimizer's own constructor, where it can be called with its current values, must accept
+# the loaded ones (its range checks: a learning rate of -1 is refused by Adam's own words).
+
+
+def value_problem(saved: Any, own: Any) -> str | None:
+    """Why `saved` cannot stand where the optimizer has `own` (Note [loaded hyperparameters]); a
+    saved tensor is given as (dtype, shape)."""
+    def kind(value: Any) -> str:
+        return "a number" if is_number(value) else type(value).__name__
+
+    if isinstance(own, torch.Tensor):
+        if not (isinstance(saved, tuple) and len(saved) == 2 and isinstance(saved[0], torch.dtype)):
+            return f"is {kind(saved)}, not a tensor"
+        dtype, shape = saved
+        problem = dtype_problem(dtype, own.dtype)
+        return problem or (None if tuple(shape) == tuple(own.shape) else f"has shape {list(shape)}, not {list(own.shape)}")
+    if isinstance(saved, tuple) and saved and isinstance(saved[0], torch.dtype):
+        return f"is a tensor, not {kind(own)}"
+    if own is None:  # an optional flag or number (foreach, fused)
+        return None if saved is None or isinstance(saved, bool) or is_number(saved) and finite(saved) else \
+            f"is {kind(saved)}, not None, a bool or a number"
+    if own is MISSING:  # a key the optimizer does not have (a scheduler's initial_lr): a plain scalar
+        return None if saved is None or isinstance(saved, (bool, str)) or is_number(saved) else \
+            f"is {kind(saved)}, not a plain value"
+    if isinstance(own, bool) or isinstance(own, str):
+        return None if type(saved) is type(own) else f"is {kind(saved)}, not {kind(own)}"
+    if is_number(own):
+        if not is_number(saved):
+            return f"is {kind(saved)}, not a number"
+        return None if finite(saved) or not finite(own) else f"is {str(saved)[:40]}, not a finite number"
+    if isinstance(own, (tuple, list)):
+        if not isinstance(saved, (tuple, list)) or len(saved) != len(own):
+            return f"is {str(saved)[:80]}, not {len(own)} values"
+        return next((f"[{i}] {p}" for i, (a, b) in enumerate(zip(saved, own)) if (p := value_problem(a, b))), None)
+    return None if saved == own else f"is {str(saved)[:80]}, not {str(own)[:80]}"
+
+
+MISSING = object()  # a key the optimizer's group lacks
+
+
+def is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def finite(number: int | float) -> bool:
+    """Whether a number is finite as a float (an int of 400 digits is not)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
+def hyperparameter_problems(groups: list[Mapping], optimizer: torch.optim.Optimizer) -> list[str]:
+    """What is wrong with saved parameter groups' hyperparameters for `optimizer` (Note [loaded
+    hyperparameters]): each as "group i: key problem"."""
+    problems = []
+    for i, (saved, own) in enumerate(zip(groups, optimizer.param_groups)):
+        found = [f"group {i}: {key} {problem}" for key, value in saved.items() if key != "params"
+                 if (problem := value_problem(value, own.get(key, MISSING)))]
+        if not found and (refused := refused_by_constructor(optimizer, own, saved)):
+            found.append(f"group {i}: {refused}")
+        problems += found
+    return problems
+
+
+def refused_by_constructor(optimizer: torch.optim.Optimizer, own: Mapping, saved: Mapping) -> str | None:
+    """The optimizer's own constructor's objection to `saved`'s hyperparameters, where it takes
+    the group's current ones (on a small stand-in parameter)."""
+    try:
+        takes = set(inspect.signature(type(optimizer)).parameters) - {"params"}
+    except (TypeError, ValueError):  # no signature to read
+        return None
+
+    def build(values: Mapping) -> None:
+        type(optimizer)([torch.zeros(2, 2, requires_grad=True)], **{key: values[key] for key in takes if key in values})
+
+    try:
+        build(own)
+    except Exception:  # it takes other arguments too: nothing to compare with
+        return None
+    loaded = {key: own[key] if isinstance(own.get(key), torch.Tensor) else  # a tensor's values come later
+              tuple(value) if isinstance(own.get(key), tuple) and isinstance(value, list) else value
+              for key, value in saved.items()}
+    try:
+        build(loaded)
+    except Exception as e:
+        return f"{type(optimizer).__name__} refuses them ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def state_dtype_problem(param: nn.Parameter, own: Any, key: str, dtype: torch.dtype) -> str | None:
+    """Why a saved optimizer state tensor of `dtype` cannot land in `param`'s state `key` (the
+    optimizer's `own` value, None before its first step): Note [loaded dtypes]."""
+    if isinstance(own, torch.Tensor):
+        return dtype_problem(dtype, own.dtype)
+    if key == "step":
+        return None if dtype in REAL else f"saved as {dtype_name(dtype)}, not a real number type"
+    if param.is_floating_point() and dtype not in FLOAT_CASTS:
+        return f"saved as {dtype_name(dtype)}, which torch would cast to the parameter's {dtype_name(param.dtype)}"
+    return None
+
+
+def optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer,
+                             saved: Mapping[str, tuple[torch.dtype, tuple[int, ...]] | None]) -> list[str]:
+    """Saved optimizer state items (as optimizer_template takes them) that cannot land in this
+    optimizer's state: a tensor of a dtype Note [loaded dtypes] refuses, a plain value of another
+    kind than the optimizer's own (Note [loaded hyperparameters])."""
+    problems = []
+    for name, value_key, param, item in saved_state(model, optimizer, saved):
+        own = optimizer.state.get(param, {}).get(value_key)
+        if item is not None:
+            problem = state_dtype_problem(param, own, value_key, item[0])
+        elif isinstance(own, torch.Tensor):
+            problem = "is a plain value, not a tensor"
+        else:
+            problem = None
+        if problem:
+            problems.append(f"{name}.{value_key} {problem}")
+    return problems

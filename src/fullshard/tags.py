@@ -1,51 +1,79 @@
-"""Message tags: which unit's collective a message belongs to, on gloo (Note [named hangs]).
-A point-to-point message carries its tag; an all_to_all's rows carry it in their last
-STAMP_BITS elements. Pure functions over ints and tensors."""
+"""Message headers: which model, unit and collective a message on gloo belongs to, and how
+big it is (Note [named hangs]). Pure functions over ints and tensors.
+
+# Note [named hangs]: every unit has an id (`Unit.uid`) that all ranks agreed on when
+# fully_shard made it (checks.check_ranks_agree: the number of units made before it, the
+# largest any rank counted); a model is named by its root unit's id. On gloo every message
+# of a unit's collective starts with a HEADER_BYTES header: the unit's id, the collective's
+# kind and the bytes each peer sends. A rank whose peer sent another collective's message
+# raises at once, naming both units and models, instead of mixing the rows (silently wrong
+# losses) or, for a message of another size, letting gloo abort the process ("Received data
+# size doesn't match"), which it does only for a message longer than the receive posted:
+# - all_to_all (small messages, Note [collective choice]): the header leads each row, and the
+#   receive posted for each peer holds the longest row this route sends (RECEIVE_CAPACITY),
+#   so a row of another size arrives whole or short, never too long;
+# - point-to-point (larger ones): the header goes first, alone, under HEADER_TAG (every header
+#   is as long); the rows follow under a tag of the header's own (`p2p_tag`), so rows of
+#   another unit or size are never matched with this receive. The header is waited for
+#   first, so a mismatch is seen at once;
+# - the all-reduce across replicas (gloo's own algorithm) is preceded by an all-gather of the
+#   headers, waited for (the host waits for gloo's collectives anyway).
+# A peer that skipped a unit, ran another model or died makes the others wait until the
+# timeout (Unit.set_timeout), then raise an error naming the collective. NCCL's collectives
+# carry no header: there the first forward's check (root.py), debug checks and the hang watch
+# (runtime.HangWatch, since waits do not block the host on GPUs) name a divergence.
+"""
 
 from __future__ import annotations
 
+import functools
+import zlib
+
 import torch
 
-# Note [named hangs]: every point-to-point message carries its unit's tag, so a rank
-# that skipped a unit (or took another branch) is never matched with another unit's
-# message of the same size (which would be silent corruption): its peers wait, time
-# out, and raise an error naming the unit, the collective and the step. A collective
-# carries no tag, so each row of a small message on gloo (Note [collective choice]) ends
-# with its tag's STAMP_BITS bits, as elements 0 and 1 (exact in every dtype but float8_e8m0fnu,
-# which has no 0: there a mismatch is still seen, its tag not read): a rank that receives
-# another unit's rows of the same size raises at once, naming both. (Rows of
-# another size make gloo abort the receiving process: "Received data size doesn't match
-# expected size"; set_debug_checks(True) names the units first.) On GPUs
-# waits do not block the host; runtime.HangWatch keeps the timeout there, and host
-# waits are bounded by it too.
-
-STAMP_BITS = 24
+HEADER_BYTES = 16  # two int64: MAGIC, kind and unit id; the bytes each peer sends
+HEADER_TAG = 15  # of every point-to-point header; rows' tags are above it
+MAGIC = 0x46534844  # "FSHD": a header at all
+KIND_BITS, UID_BITS = 4, 28
+KINDS = ("all-gather", "reduce-scatter", "all-reduce across replicas")
 
 
-def p2p_tag(unit_index: int, kind: int) -> int:
-    """The message tag of a unit's gather (kind 0) or reduce-scatter (kind 1) on gloo."""
-    return 16 + 2 * unit_index + kind
+@functools.lru_cache(maxsize=4096)
+def header(uid: int, kind: int, nbytes: int) -> torch.Tensor:
+    """The header of a unit's collective of `kind` (an index into KINDS) in which each peer
+    sends `nbytes` ([2] int64, on the CPU; made once, never written; a plain tensor even when
+    first made inside a torch.func transform, which must not wrap what outlives it)."""
+    with torch._C._DisableFuncTorch():
+        return torch.tensor([MAGIC << 32 | kind << UID_BITS | uid, nbytes], dtype=torch.int64)
 
 
-def tag_unit(tag: int) -> tuple[int, int]:
-    """The unit index and kind whose p2p_tag is `tag`."""
-    return divmod(tag - 16, 2)
+def read_header(words: list[int]) -> tuple[int, int, int] | None:
+    """(uid, kind, nbytes) of a header's two words, as received; None when they are not a header."""
+    ident, nbytes = words
+    if ident >> 32 != MAGIC:
+        return None
+    return ident & ((1 << UID_BITS) - 1), (ident >> UID_BITS) & ((1 << KIND_BITS) - 1), nbytes
 
 
-def stamp(tag: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`tag`'s bits, lowest first ([STAMP_BITS] of 0 and 1 in `dtype`)."""
-    return torch.tensor([(tag >> i) & 1 for i in range(STAMP_BITS)], dtype=dtype, device=device)
+def header_elements(dtype: torch.dtype) -> int:
+    """How many elements of `dtype` a header takes at the start of a row."""
+    return max(1, HEADER_BYTES // dtype.itemsize)
 
 
-def mismatched(stamps: torch.Tensor, tag: int) -> tuple[int, int | None] | None:
-    """The first row of `stamps` ([world, STAMP_BITS], as received) that is not `tag`'s stamp:
-    (its index, the tag it carries, None when it is no stamp at all); None when all are."""
-    expected = stamp(tag, stamps.dtype, stamps.device)
-    if torch.equal(stamps, expected.expand_as(stamps)):
+def p2p_tag(uid: int, kind: int, nbytes: int) -> int:
+    """The tag of the rows of a unit's collective on gloo's point-to-point messages: a hash of
+    the header, above HEADER_TAG, so rows of another unit, collective or size go unmatched
+    (a collision of two headers' tags is a 1 in 2^30 chance per pair of messages in flight)."""
+    return HEADER_TAG + 1 + zlib.crc32(f"{uid},{kind},{nbytes}".encode()) % (2**30)
+
+
+def first_mismatch(received: torch.Tensor, expected: torch.Tensor) -> tuple[int, tuple[int, int, int] | None] | None:
+    """The first row of `received` ([peers, 2] int64 headers, as received) that is not `expected`:
+    (its index, what it says, None when it is no header); None when all are."""
+    if torch.equal(received, expected.expand_as(received)):
         return None
     want = expected.tolist()
-    for peer, bits in enumerate(stamps.tolist()):
-        if bits != want:
-            valid = all(b in (0, 1) for b in bits)
-            return peer, sum(int(b) << i for i, b in enumerate(bits)) if valid else None
+    for peer, words in enumerate(received.tolist()):
+        if words != want:
+            return peer, read_header(words)
     return None

@@ -44,7 +44,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from fullshard import runtime
 from fullshard.collectives import (BufferPool, Caller, PendingGather, PendingReduce, all_gather_ints,
                                    all_reduce_tensors, finish_gather, finish_reduce, gather_full, redistribute,
-                                   reduce_scatter_grads)
+                                   reduce_scatter_grads, site)
 from fullshard.errors import DIVERGED, FullShardError, collective_failed, fail
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
@@ -54,7 +54,9 @@ from fullshard.quantize import BlockQuantized
 from fullshard.param import ShardedParam, local_values, rows_first, shard_numel
 from fullshard.runtime import CollectiveError, MismatchedRows, labelled
 from fullshard.stats import Stats
-from fullshard.tags import p2p_tag, tag_unit
+from fullshard.tags import KINDS
+
+DEBUG_CHECK = site("the debug check")
 
 
 class ShardState(Enum):
@@ -85,6 +87,21 @@ def unit_of(param: nn.Parameter) -> Unit | None:
     return next((unit for unit in list(LIVE_UNITS) if any(p.sharded is param for p in unit.params)), None)
 
 
+def next_uid(after: int = -1) -> int:
+    """An id above every live unit's (and `after`): what this rank proposes for a new unit
+    (Note [named hangs]; check_ranks_agree takes the largest any rank proposes)."""
+    return max([after, *(unit.uid for unit in list(LIVE_UNITS))]) + 1
+
+
+def described(uid: int, whole_model: bool = False) -> str:
+    """The live unit of id `uid` in words, for messages: "unit 'h.1' of model 12 (GPT)" (the
+    model alone: "model 12 (GPT)")."""
+    unit = next((unit for unit in list(LIVE_UNITS) if unit.uid == uid), None)
+    if unit is None:
+        return f"the {'model' if whole_model else 'unit'} of id {uid}, which this rank does not have"
+    return unit.model if whole_model else unit.described
+
+
 def sharded_params(units: Iterable[Unit]) -> dict[nn.Parameter, ShardedParam]:
     """The parameter each ShardedParam of `units` puts in the modules between steps (its
     shard, a DTensor), mapped to it: how state dicts, checkpoints and deferred init find
@@ -96,14 +113,17 @@ class Unit:
     """The shards of one unit, their all-gather into full parameters, and their gradient reduction."""
 
     def __init__(self, modules: list[nn.Module], owned: list[OwnedParam], group: ShardGroup,
-                 options: UnitOptions) -> None:
+                 options: UnitOptions, uid: int) -> None:
+        self.uid = uid  # agreed by every rank of its groups, Note [named hangs]
         self.modules = modules  # one, or FSDP2's group of modules sharded together (Note [module groups])
         self.module = modules[0]
         self.group = group
         self.options = options
         self.switches = UnitSwitches()
         self.fqn = ""  # set by the root at lazy init (join), for messages and profiler labels
-        self.index = 0  # position among the root's units (lazy init): message tags, debug checks
+        self.class_name = type(self.module).__name__  # before fully_shard swaps the class, for messages
+        self.model = f"model {uid} ({self.class_name})"  # the root's (join), for messages
+        self.index = 0  # position among the root's units (lazy init), for the non-finite check
         self.names = [""]  # every unit's fqn by index (lazy init), for messages
         self.step = 0  # the root's step count, for messages
         self.evaluating = False  # in a forward without gradients, for the debug checks
@@ -170,10 +190,14 @@ class Unit:
         self.small_group = smaller_group(self.group, self.options.post_forward_world) \
             if self.layout.full_flat is not None else None
 
-    def join(self, fqn: str, index: int, names: list[str], pool: BufferPool, stats: Stats) -> None:
-        """Lazy init: the root names the unit and shares its buffers and statistics with it."""
-        self.fqn, self.index, self.names, self.pool, self.stats = fqn, index, names, pool, stats
+    def join(self, fqn: str, index: int, names: list[str], model: str, pool: BufferPool, stats: Stats) -> None:
+        """Lazy init: the root names the unit and its model and shares its buffers and statistics with it."""
+        self.fqn, self.index, self.names, self.model, self.pool, self.stats = fqn, index, names, model, pool, stats
         self.callers.clear()
+
+    @property
+    def described(self) -> str:
+        return f"unit {self.fqn or self.class_name!r} of {self.model}"
 
     def begin_forward(self, step: int, evaluating: bool) -> None:
         """The root starts a forward: the step counts on, and a copy a forward without backward left goes."""
@@ -337,13 +361,13 @@ class Unit:
             p.adopt(new)
 
     def caller(self, kind: int, collective: str) -> Caller:
-        """Note [named hangs]: this unit's tag, timeout and name for its collective of `kind`
-        (0: gather, 1: reduce); made once per step."""
+        """Note [named hangs]: this unit's name, timeout and id for its collective of `kind`
+        (an index into tags.KINDS); made once per step."""
         key = (kind, collective, self.step)
         caller = self.callers.get(key)
         if caller is None:
-            caller = self.callers[key] = Caller(p2p_tag(self.index, kind), self.switches.timeout,
-                                                f"the {collective} of unit {self.fqn!r} at step {self.step}")
+            caller = self.callers[key] = Caller(f"the {collective} of {self.described} at step {self.step}",
+                                                self.switches.timeout, self.uid, kind)
         return caller
 
     def wire_inputs(self) -> tuple[list[torch.Tensor], list[torch.dtype]]:
@@ -388,30 +412,33 @@ class Unit:
         """Note [named hangs]: the error a rank raises when a collective of this unit does not
         finish, when a wait of this unit finds another collective overdue (it names that one),
         or when a peer sent another unit's rows (it names that unit)."""
-        what = f"the {collective} of unit {self.fqn!r} at step {self.step}"
+        if isinstance(error, MismatchedRows):  # named by its header: the reduction may fail in its all-reduce
+            collective = KINDS[error.mine[1]]
+        what = f"the {collective} of {self.described} at step {self.step}"
         if isinstance(error, MismatchedRows):
-            index, kind = tag_unit(error.tag) if error.tag is not None else (-1, 0)
-            theirs = (f"the {('all-gather', 'reduce-scatter')[kind]} of unit {self.names[index]!r}"
-                      if 0 <= index < len(self.names) else "another collective")
+            uid, kind, nbytes = error.header or (-1, -1, 0)
+            theirs = (f"the {KINDS[kind]} of {described(uid)} ({nbytes} bytes from each rank)"
+                      if 0 <= kind < len(KINDS) else "rows that are no fullshard collective's")
             return fail(f"rank {dist.get_rank()}: {what} received {theirs} from group rank {error.peer}", DIVERGED)
         return collective_failed(what, error, DIVERGED)
 
     def check_agreement(self, kind: int, mask: int = 0) -> None:
         """Debug checks: every rank is about to run the same collective (0: all-gather, 1: reduce-scatter,
         with `mask` a hash of which parameters have gradients) of the same unit at the same step."""
-        mine = [self.index, kind, self.step, mask, self.evaluating]
+        mine = [self.uid, kind, self.step, mask, self.evaluating]
         for group in self.group.process_groups:  # the ranks this unit communicates with
             self.compare_next(mine, group)
 
     def compare_next(self, mine: list[int], group: dist.ProcessGroup) -> None:
         """check_agreement within one of the unit's groups."""
         try:
-            everyone = all_gather_ints(mine, device=self.group.device, timeout=self.switches.timeout, group=group)
+            everyone = all_gather_ints(mine, device=self.group.device, timeout=self.switches.timeout, group=group,
+                                       what=DEBUG_CHECK)
         except CollectiveError as e:
             raise self.failed("debug check", e) from None
         if any(theirs != mine for theirs in everyone):
             what, ranks = ["all-gather", "reduce-scatter"], dist.get_process_group_ranks(group)
-            seen = "; ".join(f"rank {ranks[r]}: {what[k]} of {self.names[i]!r} at step {s}" +
+            seen = "; ".join(f"rank {ranks[r]}: {what[k]} of {described(i)} at step {s}" +
                              (f" (gradient mask {m:#x})" if k else "") +
                              (" in a forward without gradients" if e else "")
                              for r, (i, k, s, m, e) in enumerate(everyone))
@@ -576,10 +603,14 @@ class Unit:
             if rt.tracks:
                 rt.allocated(shard)
             with labelled(f"fullshard::reduce_scatter {self.fqn}"):
-                pending = reduce_scatter_grads(grads, numels, groups=(group.shard_pg, replicate),
-                                               dp_size=group.dp_size, divide_by=self.switches.divide_factor or group.dp_size,
-                                               force_sum=self.switches.force_sum, shard=shard, pool=self.pool,
-                                               caller=self.caller(1, "reduce-scatter"))
+                try:  # no_shard on gloo: its all-reduce checks the replicas' headers at once
+                    pending = reduce_scatter_grads(grads, numels, groups=(group.shard_pg, replicate),
+                                                   dp_size=group.dp_size,
+                                                   divide_by=self.switches.divide_factor or group.dp_size,
+                                                   force_sum=self.switches.force_sum, shard=shard, pool=self.pool,
+                                                   caller=self.caller(1, "reduce-scatter"))
+                except CollectiveError as e:
+                    raise self.failed("reduce-scatter", e) from None
             del grads
             self.pending_reduce.append((grad_params, all_here, pending))
         self.count_full_grads(sum(p.full_grad_bytes() for p in self.params if not p.sharded.requires_grad))
@@ -672,7 +703,7 @@ class Unit:
         moved = [runtime.active.to_device(g, self.compute_device) for g in grads]  # offload: NCCL reads device memory
         try:
             nbytes = sum(all_reduce_tensors([t for t in moved if t.dtype == dtype], group=self.group.replicate_pg,
-                                            caller=self.caller(1, "all-reduce across replicas"))
+                                            caller=self.caller(2, "all-reduce across replicas"))
                          for dtype in dict.fromkeys(t.dtype for t in moved))  # one per master dtype
         except CollectiveError as e:
             raise self.failed("all-reduce across replicas", e) from None

@@ -73,7 +73,7 @@ class TrainConfig:
     debug_checks: bool = opt(False, "check before every collective that all ranks run the same one (slower)")
     plan: str = opt("off", "'auto': let fullshard.plan choose wrap, strategy, limit, precision and checkpointing "
                            "for --memory-budget (overrides those options)")
-    memory_budget: str = opt("", "bytes per rank for --plan auto, e.g. 2GiB or 500MB")
+    memory_budget: str | None = opt(None, "bytes per rank for --plan auto, e.g. 2GiB or 500MB")
     oversubscribe: bool = opt(False, "allow more ranks than CPU cores")
     seed: int = opt(0, "seed for initialization and data order")
     out: str = opt("runs/gpt", "directory for metrics.jsonl, loss.png and checkpoint/ (one live run at a time)")
@@ -129,8 +129,12 @@ def choice_problem(cfg: TrainConfig) -> str | None:
     for name in ("data", "out"):
         if getattr(cfg, name) is not None and not getattr(cfg, name).strip():
             return f"{flag(name)} is empty; pass a path (or leave the option out for its default)"
-    if cfg.plan == "auto" and parse_bytes(cfg.memory_budget) is None:
-        return f"--plan auto needs --memory-budget as a size like 2GiB or 500MB, got {cfg.memory_budget!r}"
+    if cfg.memory_budget is not None and parse_bytes(cfg.memory_budget) is None:
+        return f"--memory-budget must be a size like 2GiB or 500MB, got {cfg.memory_budget!r}"
+    if cfg.plan == "auto" and cfg.memory_budget is None:
+        return "--plan auto needs --memory-budget, the bytes each rank may use, e.g. 2GiB or 500MB"
+    if cfg.plan != "auto" and cfg.memory_budget is not None:
+        return "--memory-budget is the budget --plan auto plans for; add --plan auto (or leave the budget out)"
     return None
 
 

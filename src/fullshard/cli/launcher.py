@@ -9,8 +9,16 @@ there broke a restart), and nothing of a local run listens on a port for it; glo
 binds to the loopback interface. The launcher starts one process per rank, each in a
 session of its own (a Ctrl-C reaches the launcher alone, which then ends the ranks),
 restarts them all when one fails, as often as --max-restarts allows (they resume from
-the newest checkpoint), ends them when it is stopped or killed (Note [orphans]), and
-removes the directory at the end.
+the newest checkpoint), and ends them when it is stopped or killed (Note [orphans]).
+
+Note [rendezvous directory]: the directory never outlives its run. The launcher removes it
+when it ends; a small remover process it starts removes it when the launcher is killed (it
+waits for the end of a pipe only the launcher holds, which the kernel closes however the
+launcher ends, SIGKILL included). Run directories live in one parent of this user's,
+$TMPDIR/fullshard-rendezvous-<uid> (mode 0700, checked to be this user's own directory),
+named by the launcher's pid and start time, and each run removes the entries of launchers
+that are gone (both processes killed at once). A parent that is not this user's own
+directory is never used or entered: the run then makes its directory beside it.
 
 Note [exit status]: 0 when every rank ended well; a rank's own status when it failed
 with one (2: bad arguments, 3: a FullShardError while training; the rank printed the
@@ -38,6 +46,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,7 +68,8 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def launch(command: list[str], nproc: int, max_restarts: int) -> int:
     """Run `command` as ranks 0..nproc-1 of one job on this machine (Note [local launch]);
     its exit status (Note [exit status])."""
-    rendezvous = tempfile.mkdtemp(prefix="fullshard-rendezvous-")  # mode 0700
+    rendezvous = rendezvous_dir()
+    remover = start_remover(rendezvous)
     stops: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
     try:
@@ -91,6 +101,59 @@ def launch(command: list[str], nproc: int, max_restarts: int) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(rendezvous, ignore_errors=True)
+        os.close(remover)  # the remover finds nothing left, and ends
+
+
+# what the remover runs: wait for the launcher's end of the pipe to close, then remove the directory
+REMOVER = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
+
+
+def start_remover(path: str) -> int:
+    """Note [rendezvous directory]: a process that removes `path` once the launcher is gone;
+    returns the pipe's end to keep open (non-inheritable: the ranks do not hold it)."""
+    read, write = os.pipe()
+    try:
+        subprocess.Popen([sys.executable, "-c", REMOVER, path], stdin=read, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        os.close(read)
+    return write
+
+
+def rendezvous_dir() -> str:
+    """A new directory, mode 0700, for this run's FileStore (Note [rendezvous directory])."""
+    parent = Path(tempfile.gettempdir()) / f"fullshard-rendezvous-{os.getuid()}"
+    try:
+        os.mkdir(parent, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return tempfile.mkdtemp(prefix="fullshard-rendezvous-")
+    info = os.lstat(parent)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return tempfile.mkdtemp(prefix="fullshard-rendezvous-")  # not ours: never entered
+    for entry in os.listdir(parent):
+        pid, _, started = entry.partition("-")
+        started = started.rpartition("-")[0]
+        if pid.isdigit() and started and started != process_start(int(pid)):  # its launcher is gone
+            shutil.rmtree(parent / entry, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-{process_start(os.getpid())}-", dir=parent)
+
+
+def process_start(pid: int) -> str:
+    """When process `pid` started (its start time in clock ticks since boot, on Linux), or "gone";
+    with its pid this names one process, whatever later process reuses the pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        pass
+    return "alive"
 
 
 def rank_env(rank: int, nproc: int, store: str, attempt: int) -> dict[str, str]:

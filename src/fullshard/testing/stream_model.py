@@ -214,6 +214,13 @@ class StreamModel:
     def route(self, group: object, device: torch.device, nbytes: int) -> str:
         return "native" if self.native else "p2p"  # a model of GPU memory, where gloo goes point-to-point
 
+    def checks_headers(self, group: object) -> bool:
+        return False  # a model of GPU memory and NCCL, whose collectives carry no headers
+
+    def wait_host_works(self, works: list, *, timeout: timedelta, what: str) -> None:
+        for work in works:  # gloo's headers in host memory (Note [named hangs]): no stream involved
+            work.wait(timeout)
+
     def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
         issuer = self.stack[-1]
         stream = Stream(f"collective #{len(self.comms)} (issued on {issuer.name} at {caller_site()})")
