@@ -132,7 +132,7 @@ if rank == 0:
     for way in WAYS:
         med = [statistics.median(m[k] for m in results[way]) for k in range(4)]
         print(f"| {way} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | {med[3]:.2f} |")
-    staged = fullshard.background.staging_of(ours).bytes()
+    staged = fullshard.checkpoint.background.staging_of(ours).bytes()
     print(f"\nfullshard's staging buffers (kept for the next save): {staged / 2**20:.0f} MB per rank")
 dist.barrier()
 dist.destroy_process_group()

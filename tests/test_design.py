@@ -40,7 +40,7 @@ def package_imports(path: Path) -> list[tuple[str, int]]:
 
 def test_every_library_file_is_in_the_layer_picture_and_imports_only_layers_below():
     layers = readme_layers()
-    files = {path.stem for path in PACKAGE.glob("*.py")}
+    files = {path.stem for path in PACKAGE.glob("*.py")} | {"checkpoint"}
     assert files == set(layers), f"not in README: {sorted(files - set(layers))}; no such file: " \
                                  f"{sorted(set(layers) - files)}"
     wrong = []
@@ -48,6 +48,29 @@ def test_every_library_file_is_in_the_layer_picture_and_imports_only_layers_belo
         for name, line in package_imports(path):
             if name in ("cli", "testing") or layers.get(name, 99) >= layers[path.stem]:
                 wrong.append(f"{path.name}:{line} ({layers[path.stem]}) imports {name} ({layers.get(name)})")
+    assert not wrong, wrong
+
+
+def test_the_checkpoint_package_imports_its_own_files_in_order_and_the_library_below_it():
+    layers = readme_layers()
+    doc = (PACKAGE / "checkpoint" / "__init__.py").read_text()
+    order = re.findall(r"`(\w+)`\s*\(", doc[: doc.index('"""', 3)])
+    files = {path.stem for path in (PACKAGE / "checkpoint").glob("*.py")} - {"__init__"}
+    assert set(order) == files, (order, files)
+    wrong = []
+    for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fullshard"):
+                parts = node.module.split(".")
+                names = [parts[2]] if len(parts) > 2 and parts[1] == "checkpoint" else \
+                    [a.name for a in node.names] if node.module == "fullshard.checkpoint" else []
+                for name in names:
+                    if order.index(name) >= order.index(path.stem):
+                        wrong.append(f"checkpoint/{path.name}:{node.lineno} imports checkpoint's {name}")
+                if len(parts) > 1 and parts[1] != "checkpoint" and layers.get(parts[1], 99) >= layers["checkpoint"]:
+                    wrong.append(f"checkpoint/{path.name}:{node.lineno} imports {parts[1]}")
     assert not wrong, wrong
 
 
@@ -59,11 +82,12 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 ONLY_ON_DIST = {"broadcast", "barrier", "gather", "scatter", "reduce", "send", "recv"}  # common names elsewhere
 
 
-def test_collectives_are_issued_from_collectives_py_only():
-    # README: collectives.py holds every collective, each waited for under a deadline
+def test_collectives_are_issued_from_collectives_py_and_routes_py_only():
+    # README: routes.py issues the collectives of a unit's plans, collectives.py every other one,
+    # each waited for under a deadline
     found = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.name == "collectives.py":
+    for path in sorted([*PACKAGE.glob("*.py"), *PACKAGE.glob("checkpoint/*.py")]):
+        if path.name in ("collectives.py", "routes.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import fullshard
-from fullshard import runtime
+from fullshard import routes
 from fullshard.gpt import GPT, Block, GPTConfig
 from tests.models import SEQ, VOCAB, token_batch
 from tests.reference import global_batches, local_slice
@@ -82,7 +82,7 @@ def two_models_job(widths: tuple[int, int], order: str, small_message: int) -> d
     """Two sharded GPTs, a and b (a teacher and a student, say). Step 1 runs a, then b, on every
     rank; then each rank runs them as `order` says: 'swapped' (odd ranks b then a), 'skip' (the
     last rank b alone), or 'first' (no step 1: the swap happens at the very first forward)."""
-    runtime.SMALL_MESSAGE = small_message  # in this forked rank only: the route every unit takes
+    routes.SMALL_MESSAGE = small_message  # in this forked rank only: the route every unit takes
     torch.manual_seed(0)
     a, b = gpt(widths[0]), gpt(widths[1])
     for model in (a, b):
@@ -106,7 +106,7 @@ def two_models_job(widths: tuple[int, int], order: str, small_message: int) -> d
 
 
 MODEL = re.compile(r"model \d+ \(GPT\)")
-ROUTES = {"all_to_all": runtime.SMALL_MESSAGE, "p2p": 0}
+ROUTES = {"all_to_all": routes.SMALL_MESSAGE, "p2p": 0}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 import fullshard
 from fullshard import runtime
 from fullshard.cli.config import TrainConfig, nonfinite_policy
-from fullshard.collectives import Averaging, averaging
+from fullshard.reduce import Averaging, averaging
 from fullshard.gpt import Block
 from fullshard.hooks import units_under
 from fullshard.mesh import check_local_gpu, compute_device
@@ -140,13 +140,13 @@ def bf16_rounding_job() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     unit = units_under(model)[1]  # h.0
     contributed = []
-    reduce_grads = unit.reduce_grads
+    issue = unit.grads.issue
 
     def spy() -> None:  # the full bf16 gradients this rank contributes
         contributed.extend(p.unsharded.grad.detach().clone() for p in unit.params)
-        reduce_grads()
+        issue()
 
-    unit.reduce_grads = spy
+    unit.grads.issue = spy
     model(*local_slice(global_batches(token_batch, 1, 8)[0], rank, world)).backward()
     differ = 0
     for p, grad in zip(unit.params, contributed):
@@ -193,12 +193,19 @@ class StuckRuntime(runtime.Runtime):
     def __init__(self, stuck: str) -> None:
         super().__init__()
         self.stuck = stuck
+        self.armed = False  # until set: every collective finishes
         self.markers: list[Marker] = []
         self.next_stuck = False
         self.stream = FakeStream()
 
     def side_stream(self, device, purpose):
         return self.stream
+
+    def host_memory(self, device) -> bool:
+        return False  # a GPU's
+
+    def backend(self, group) -> str:
+        return "nccl"  # its collectives, whose waits are stream waits
 
     def current_stream(self, device):
         return self.stream
@@ -210,7 +217,7 @@ class StuckRuntime(runtime.Runtime):
         pass
 
     def wait_works(self, works, *, timeout, what, on_device) -> None:
-        self.next_stuck = self.stuck in what
+        self.next_stuck = self.armed and self.stuck in what
         super().wait_works(works, timeout=timeout, what=what, on_device=on_device)
 
     def marker(self) -> Marker:
@@ -227,12 +234,12 @@ def stuck_unit_job() -> dict:
     model = tiny_gpt()
     fullshard.shard_model(model, wrap={Block})
     batch = local_slice(global_batches(token_batch, 1, 4)[0], dist.get_rank(), dist.get_world_size())
-    with torch.no_grad():
-        model(*batch)  # the first forward's check of the ranks' modes waits on the host: before the tiny timeout
-    model.set_timeout(0.001)
     rt = StuckRuntime("unit 'h.0'")
     rt.watch.poll_s = 5.0  # the test scans itself, between the two forwards
-    with runtime.installed(rt), torch.no_grad():
+    with runtime.installed(rt), torch.no_grad():  # the units' routes are chosen at their first gathers, here
+        model(*batch)  # the first forward's check of the ranks' modes waits on the host: before the tiny timeout
+        model.set_timeout(0.001)
+        rt.armed = True
         model(*batch)  # every unit gathers; h.0's marker stays pending
         time.sleep(0.01)
         rt.watch.scan()  # what the watch's thread does every half second
@@ -276,8 +283,8 @@ def issue_order_job() -> list[tuple[str, str]]:
     with runtime.installed(model_rt):
         model = build("hybrid_f2", "fp32", False, "prefetch", 2)
         train_modelled(model, model_rt, "fp32", False, "prefetch", steps=1)
-    return [(stream, "reduce-scatter" if "reduce_scatter_grads" in site else "all-reduce")
-            for stream, site in model_rt.issued if "reduce_scatter_grads" in site or "start_all_reduce" in site]
+    return [(stream, "reduce-scatter" if "(reduce)" in site else "all-reduce")
+            for stream, site in model_rt.issued if "routes.py" in site and ("(reduce)" in site or "(all_reduce)" in site)]
 
 
 def test_hybrid_all_reduce_is_issued_right_after_its_reduce_scatter(world4):

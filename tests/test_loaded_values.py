@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fullshard
-from fullshard import FullShardError, manifest
+from fullshard import FullShardError
+from fullshard.checkpoint import manifest
 from tests.test_errors import raises
 from tests.world import World
 

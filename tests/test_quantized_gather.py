@@ -6,10 +6,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from types import SimpleNamespace
+
 import fullshard
 from fullshard.gpt import Block
 from fullshard.hooks import units_under
-from fullshard.quantize import BlockQuantized, quantized_bytes
+from fullshard.gather import Context
+from fullshard.options import UnitOptions
+from fullshard.quantize import Quantized, quantized_bytes
 from tests.models import tiny_gpt, token_batch
 
 
@@ -19,14 +23,16 @@ def test_the_error_of_each_block_is_at_most_half_its_step():
     generator = torch.Generator().manual_seed(0)
     shard = torch.randn(1000, generator=generator) * torch.logspace(-3, 2, 1000)  # blocks of unlike scales
     shard[256:512] = 0
-    quantizer = BlockQuantized(shard.numel(), 256, shard.device)
+    full = torch.empty(1000)
+    param = SimpleNamespace(shard_numel=1000, full_padded=full, replicated=False)  # what the format reads
+    quantizer = Quantized(param, torch.float32, Context(UnitOptions(True, gather_block=256), shard.device, 1))
     q, scales = quantizer.inputs(shard)
     assert q.dtype == torch.int8 and q.numel() == 1000 and scales.numel() == 4
-    q_out, s_out = quantizer.output_buffers(1)
+    quantizer.allocate(small=False)
+    q_out, s_out = quantizer.outputs(small=False)
     q_out.copy_(q)
     s_out.copy_(scales)
-    full = torch.empty(1000)
-    quantizer.dequantize(full, 1)
+    quantizer.after(small=False)
     error = (full - shard).abs()
     step = scales.repeat_interleave(256)[:1000]
     assert (error <= step / 2 * (1 + 1e-6)).all(), (error / step).max()

@@ -163,11 +163,12 @@ def record_schedule(model: nn.Module, step) -> list[tuple[str, str]]:
     being issued ("gather"), its gradient computation ("grad", when the gradient of its
     first op's output is computed), and its reduction being issued ("reduce")."""
     from fullshard.hooks import Phase, hooks_for
-    from fullshard.schedule import Scheduler
+    from fullshard.reduce import Reductions
+    from fullshard.root import Scheduler
     from fullshard.unit import ShardState, Unit
 
     events: list[tuple[str, str]] = []
-    saved = Unit.unshard, Unit.reduce_grads, Scheduler.record
+    saved = Unit.unshard, Reductions.issue, Scheduler.record
 
     def unshard(self, adopt=True):
         if self.state is ShardState.SHARDED:
@@ -175,7 +176,7 @@ def record_schedule(model: nn.Module, step) -> list[tuple[str, str]]:
         saved[0](self, adopt)
 
     def reduce_grads(self):
-        events.append(("reduce", self.fqn))
+        events.append(("reduce", self.unit.fqn))
         saved[1](self)
 
     def record(self, unit):
@@ -184,11 +185,11 @@ def record_schedule(model: nn.Module, step) -> list[tuple[str, str]]:
 
     handles = [block.ln_1.register_full_backward_pre_hook(lambda m, g, name=f"h.{i}": events.append(("grad", name)))
                for i, block in enumerate(model.h)]
-    Unit.unshard, Unit.reduce_grads, Scheduler.record = unshard, reduce_grads, record
+    Unit.unshard, Reductions.issue, Scheduler.record = unshard, reduce_grads, record
     try:
         step()
     finally:
-        Unit.unshard, Unit.reduce_grads, Scheduler.record = saved
+        Unit.unshard, Reductions.issue, Scheduler.record = saved
         for handle in handles:
             handle.remove()
     return events

@@ -11,9 +11,10 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import fullshard
-from fullshard import runtime
-from fullshard.collectives import (BufferPool, Caller, finish_gather, finish_reduce, gather_full,
-                                   reduce_scatter_grads)
+from fullshard.gather import GatherPlan, Values, gather_values
+from fullshard.hooks import units_under
+from fullshard.reduce import ReducePlan
+from fullshard.routes import BufferPool
 from tests.world import COLLECTIVE_TIMEOUT_S
 
 TIMEOUT = timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # no hang is tested here: the world's own timeout
@@ -70,53 +71,61 @@ def test_shards_follow_torch_chunk_and_padding_is_invisible(request, world):
         assert got["tied"] and got["n_params"] and got["tied_grad"]
 
 
+class Rows(nn.Module):
+    """Parameters for the plans' test: uneven rows, a 1-d one, a row vector, a 0-d one, two of 2."""
+
+    def __init__(self, rows_of_first: int, world: int) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(torch.zeros(shape)) for shape in
+                                       [(rows_of_first, 2), (5,), (1, 3), (), (2,), (2,), (world * 6,)])
+
+
 def collectives_job(seed: int, rows_of_first: int) -> dict:
-    """gather_full + finish_gather against torch.cat; reduce_scatter_grads + finish_reduce
-    against a mean (both through the backend's chosen way, and twice in
-    flight at once, as prefetch and overlap issue them)."""
+    """GatherPlan against torch.cat (two gathers in flight at once, as prefetch issues them);
+    ReducePlan against a mean; through the route gloo takes for these sizes."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
+    module = Rows(rows_of_first, world)
+    fullshard.fully_shard(module)
+    unit = units_under(module)[0]
+    params, cpu, f32, pool = unit.params, torch.device("cpu"), torch.float32, BufferPool()
     generator = torch.Generator().manual_seed(seed)
-    shapes = [(rows_of_first, 2), (5,), (1, 3)]
-    fulls = [torch.randn(shape, generator=generator) for shape in shapes]  # same on every rank
-    rows = [-(-f.shape[0] // world) for f in fulls]
-    padded = [torch.cat([f, f.new_zeros(world * r - f.shape[0], *f.shape[1:])]) for f, r in zip(fulls, rows)]
-    local = torch.cat([p.chunk(world)[rank].reshape(-1) for p in padded])
-    pool = BufferPool()
-    cpu, f32 = torch.device("cpu"), torch.float32
-    first = gather_full([local], group=group, dtype=f32, device=cpu, pool=pool,
-                        caller=Caller("gather 0", TIMEOUT, uid=0))
-    second = gather_full([2 * local], group=group, dtype=f32, device=cpu, pool=pool,
-                         caller=Caller("gather 1", TIMEOUT, uid=1))
-    outs, twice = [torch.empty_like(p) for p in padded], [torch.empty_like(p) for p in padded]
-    finish_gather(first, outs, [p.numel() // world for p in padded], pool)
-    finish_gather(second, twice, [p.numel() // world for p in padded], pool)
-    gather_ok = all(torch.equal(o, p) and torch.equal(t, 2 * p) for o, t, p in zip(outs, twice, padded))
+    fulls = [torch.randn(p.shape, generator=generator) for p in params[:3]]  # same on every rank
+    padded = [torch.cat([f, f.new_zeros(world * p.rows_per_shard - f.shape[0], *f.shape[1:])])
+              for f, p in zip(fulls, params)]
+    local = [q.chunk(world)[rank].reshape(-1).contiguous() for q in padded]
+
+    def plan(dtype: torch.dtype, ps: list) -> GatherPlan:
+        return GatherPlan([Values(p, dtype, cpu) for p in ps], unit.group.shard_pg, cpu, dtype, unit.uid, storage=None)
+
+    first, second = plan(f32, params[:3]), plan(f32, params[:3])
+    flights = [first.issue(local, pool, "first", TIMEOUT), second.issue([2 * t for t in local], pool, "second",
+                                                                         TIMEOUT)]
+    first.finish(flights[0], pool)
+    second.finish(flights[1], pool)
+    gather_ok = all(torch.equal(f.full, q) and torch.equal(g.full, 2 * q)
+                    for f, g, q in zip(first.formats, second.formats, padded))
     odd_ok = []  # dtypes gloo's collectives refuse: the small route moves the rows' bytes
     for dtype in (torch.int16, torch.float8_e4m3fn):
-        values = torch.arange(world * 6, dtype=torch.float32).view(world, 6).to(dtype)  # alike on every rank
-        pending = gather_full([values[rank].clone()], group=group, dtype=dtype, device=cpu, pool=pool,
-                              caller=Caller("gather 2", TIMEOUT, uid=2))
-        out = torch.empty(world * 6, dtype=dtype)
-        finish_gather(pending, [out], [6], pool)
-        odd_ok.append(torch.equal(out.view(torch.uint8), values.view(-1).view(torch.uint8)))
+        values = torch.arange(world * 6, dtype=torch.float32).to(dtype)  # alike on every rank
+        got = gather_values([params[6]], [values.view(world, 6)[rank].clone()], dtype, unit.group.shard_pg, cpu,
+                            unit.uid, pool, "odd", TIMEOUT)[0]
+        odd_ok.append(torch.equal(got.view(torch.uint8), values.view(torch.uint8)))
 
     grads = [torch.randn(f.shape, generator=torch.Generator().manual_seed(seed + rank + 1)) for f in fulls]
     grads.append(torch.tensor(float(rank)))  # 0-d
     grads.append(None if rank == 0 else torch.ones(2))  # only some ranks have it
     grads.append(None)  # no rank has it
-    numels = [p.numel() // world for p in padded] + [1, 1, 1]
-    shard = torch.empty(sum(numels) + len(numels))
-    pending = reduce_scatter_grads(grads, numels, groups=(group, None), dp_size=world, divide_by=world,
-                                   force_sum=False, shard=shard, pool=pool, caller=Caller("reduce 0", TIMEOUT, uid=0, kind=1))
-    shard = finish_reduce(pending, pool)
+    reduce_plan = ReducePlan(params[:6], f32, unit.group, cpu, unit.uid, divide_by=world, force_sum=False,
+                             options=unit.options)
+    shard = reduce_plan.finish(reduce_plan.issue(grads, pool, True, "reduce", TIMEOUT), pool)
+    numels = [p.shard_numel for p in params[:6]]
     all_grads = [[torch.zeros_like(g) for _ in range(world)] for g in grads[:3]]
     for bucket, g in zip(all_grads, grads[:3]):
         dist.all_gather(bucket, g)
     offset, reduce_ok = 0, []
-    for bucket, numel, r in zip(all_grads, numels, rows):
+    for bucket, numel, p in zip(all_grads, numels, params):
         mean = torch.stack(bucket).mean(0)
-        padded_mean = torch.cat([mean, mean.new_zeros(world * r - mean.shape[0], *mean.shape[1:])])
+        padded_mean = torch.cat([mean, mean.new_zeros(world * p.rows_per_shard - mean.shape[0], *mean.shape[1:])])
         # the rows are added in another order than torch.mean's: fp32 rounding of a sum of `world`
         # N(0, 1) values, a few 1e-7 where they cancel near zero
         reduce_ok.append(torch.allclose(shard[offset : offset + numel], padded_mean.chunk(world)[rank].reshape(-1),
@@ -124,7 +133,7 @@ def collectives_job(seed: int, rows_of_first: int) -> dict:
         offset += numel
     total = sum(numels)
     return {
-        "route": runtime.active.route(group, cpu, local.numel() * local.element_size()),
+        "route": first.route(sum(p.shard_numel for p in params[:3])).name,
         "gather": gather_ok,
         "odd dtypes": odd_ok,
         "reduce": reduce_ok,

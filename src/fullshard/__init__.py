@@ -5,10 +5,8 @@ from fullshard.module import FSDPModule, UnshardHandle
 from fullshard.errors import FullShardError
 from fullshard.planner import Hardware, Plan, apply_plan, plan
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fullshard.background import SaveHandle
-from fullshard.checkpoint import checkpoint_dir, load, save
+from fullshard.checkpoint import SaveHandle, checkpoint_dir, export, load, save
 from fullshard.dropin import replace_fsdp2
-from fullshard.export import export
 from fullshard.state_dict import get_state_dict, init_weights_from, set_state_dict
 from fullshard.stats import Stats
 from fullshard.training import GradScaler, clip_grad_norm_, full_params, no_sync, stats

@@ -13,6 +13,7 @@ from fullshard.mesh import ShardGroup
 from fullshard.runtime import CollectiveError
 
 PARAMETERS = site("the comparison of the parameters ranks shard")
+DEBUG_CHECK = site("the debug check")
 VALUES = site("the comparison of the values ranks shard")
 
 
@@ -95,3 +96,24 @@ def compare_ranks(what: str, described: list[tuple], sums: list[int], device: to
                f"model and the other ranks' rows of others",
                "Seed every rank alike before building the model (torch.manual_seed(seed) with the same seed), or "
                "shard with fullshard.shard_model(model, ..., sync_module_states=True) to make rank 0's values win.")
+
+
+def check_next_collective(unit, mine: list[int], described) -> None:
+    """Debug checks: every rank of `unit`'s groups is about to run the same collective: `mine` is
+    (unit id, kind: 0 all-gather, 1 reduce-scatter, step, a hash of which parameters have
+    gradients, whether the forward has none); `described(uid)` names a unit. One small
+    all-gather per group."""
+    for group in unit.group.process_groups:  # the ranks this unit communicates with
+        try:
+            everyone = all_gather_ints(mine, device=unit.group.device, timeout=unit.timeout, group=group,
+                                       what=DEBUG_CHECK)
+        except CollectiveError as e:
+            raise unit.failed("debug check", e) from None
+        if any(theirs != mine for theirs in everyone):
+            ranks = torch.distributed.get_process_group_ranks(group)
+            seen = "; ".join(f"rank {ranks[r]}: {('all-gather', 'reduce-scatter')[k]} of {described(i)} at step {s}" +
+                             (f" (gradient mask {m:#x})" if k else "") + (" in a forward without gradients" if e else "")
+                             for r, (i, k, s, m, e) in enumerate(everyone))
+            raise fail(f"ranks disagree on the next collective ({seen})",
+                       "Every rank must run the same units in the same order and compute gradients for the same "
+                       "parameters while debug checks are on; make the model's control flow the same on every rank.")

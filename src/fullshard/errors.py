@@ -47,3 +47,12 @@ def require(ok: bool, what: str, fix: str) -> None:
     """Raise FullShardError(what, fix) unless `ok`: argument checks at the public boundary."""
     if not ok:
         raise fail(what, fix)
+
+
+def replaced_while_full(fqn: str) -> FullShardError:
+    """The error of a parameter assigned in place of its full form (Note [replaced parameters])."""
+    return fail(f"parameter {fqn!r} was replaced after sharding, while its unit held its full parameters (e.g. after a "
+                f"forward without backward); fullshard would silently put its own back", "Make such changes before "
+                "sharding (e.g. crop_block_size or resize_token_embeddings before shard_model), between training "
+                "steps (load_state_dict(assign=True) of a sharded or full state dict), or in place inside `with "
+                "fullshard.full_params(model):`.")

@@ -27,85 +27,100 @@ import torch
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
+from fullshard import runtime
 from fullshard.errors import fail
+from fullshard.gather import Context, Plain, register_format
+from fullshard.param import ShardedParam
 
 
-def has_extension(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` (a parameter's local tensor) takes part in Note [all-gather extensions]."""
-    pre, post = hasattr(tensor, "fsdp_pre_all_gather"), hasattr(tensor, "fsdp_post_all_gather")
-    if pre != post:
-        raise fail(f"a {type(tensor).__name__} parameter defines only one of fsdp_pre_all_gather and "
-                   f"fsdp_post_all_gather", "Define both (FSDP2's all-gather extension protocol), or neither.")
-    return pre
+class Extension(Plain):
+    """One parameter's side of Note [all-gather extensions]: what fsdp_pre_all_gather gives to
+    send, its output buffers, and the full tensor fsdp_post_all_gather rebuilt."""
 
+    static = False
 
-class Extension:
-    """One parameter's side of Note [all-gather extensions]: its output buffers, the metadata
-    of the gather in flight, and the full tensor it rebuilt."""
-
-    def __init__(self, shard: torch.Tensor, fqn: str) -> None:
-        self.fqn = fqn
+    def __init__(self, p: ShardedParam, full_dtype: torch.dtype, context: Context) -> None:
+        super().__init__(p, full_dtype, context)
+        shard = p.padded_shard
         arguments = len(inspect.signature(shard.fsdp_pre_all_gather).parameters)
         if arguments not in (1, 5):
-            raise fail(f"parameter {fqn!r}: fsdp_pre_all_gather takes {arguments} arguments",
+            raise fail(f"parameter {p.fqn!r}: fsdp_pre_all_gather takes {arguments} arguments",
                        "Define fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy) "
                        "(or FSDP2's older fsdp_pre_all_gather(self, mesh)).")
         self.short = arguments == 1
+        self.world, self.param_dtype, self.device, self.context = context.world, full_dtype, context.device, context
         self.metadata: Any = None
         self.shapes: list[torch.Size] = []  # of the inputs, padded
-        self.kinds: list[tuple[int, torch.dtype, torch.device]] = []  # their numels, dtypes and devices
-        self.outputs: list[torch.Tensor] = []  # [world * numel] each, reused from gather to gather
+        self.outputs_: list[torch.Tensor] = []  # [world * numel] each, reused from gather to gather
+        self.sent: list[torch.Tensor] = []  # the inputs of the gather being made
         self.inner: list[torch.Tensor] = []  # what holds the full tensor's storage (post's second result)
         self.full: nn.Parameter | None = None
 
-    def inputs(self, shard: torch.Tensor, padded_rows: int, *, mesh, outer: torch.Size, module: nn.Module,
-               mp_policy) -> list[torch.Tensor]:
-        """The tensors this rank sends, flat, each of `padded_rows` rows (a shorter one, on a
-        rank holding fewer rows, is padded with zeros): what fsdp_pre_all_gather returns."""
+    def prepare(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """fsdp_pre_all_gather, on the compute stream (Note [gather streams]): the tensors this rank
+        sends, flat, each of the shard's padded rows (a shorter one, on a rank holding fewer rows,
+        padded with zeros); their sizes make the output buffers."""
+        p, call = self.p, self.context
+        local = runtime.active.to_device(p.sharded._local_tensor, self.device)  # offload: from pinned memory
         if self.short:
-            sent, self.metadata = shard.fsdp_pre_all_gather(mesh)
+            sent, self.metadata = local.fsdp_pre_all_gather(call.mesh)
         else:
-            stride = torch.empty(outer, device="meta").stride()
-            sent, self.metadata = shard.fsdp_pre_all_gather(mesh, outer, stride, module, mp_policy)
+            stride = torch.empty(p.global_shape, device="meta").stride()
+            sent, self.metadata = local.fsdp_pre_all_gather(call.mesh, p.global_shape, stride, call.module,
+                                                            call.mp_policy)
         out = []
         for tensor in sent:
-            if tensor.dim() == 0 or tensor.size(0) != padded_rows:
-                padded = tensor.new_zeros((padded_rows, *tensor.shape[1:]))
+            if tensor.dim() == 0 or tensor.size(0) != p.rows_per_shard:
+                padded = tensor.new_zeros((p.rows_per_shard, *tensor.shape[1:]))
                 padded[: tensor.size(0)].copy_(tensor)
                 tensor = padded
             out.append(tensor.contiguous())
         self.shapes = [t.shape for t in out]
-        self.kinds = [(t.numel(), t.dtype, t.device) for t in out]
-        return [t.reshape(-1) for t in out]
+        self.dtypes = [t.dtype for t in out]
+        self.numels = [t.numel() for t in out]
+        self.sent = [t.reshape(-1) for t in out]
+        if len(self.outputs_) != len(out) or any(o.dtype != t.dtype for o, t in zip(self.outputs_, out)):
+            self.outputs_ = [torch.empty(0, dtype=t.dtype, device=self.device) for t in out]
+        self.allocate(False)
+        return self.sent
 
-    def output_buffers(self, world: int) -> list[torch.Tensor]:
-        """Where the gather puts every rank's rows of each input of the gather in flight: the
-        first gather's buffers, given their storage back."""
-        if not self.outputs:
-            self.outputs = [torch.empty(world * numel, dtype=dtype, device=device)
-                            for numel, dtype, device in self.kinds]
-        else:
-            for buffer in self.outputs:
-                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        return self.outputs
+    def allocate(self, small: bool) -> None:
+        """The output buffers get their memory (on the compute stream; the objects stay)."""
+        for buffer, numel in zip(self.outputs_, self.numels):
+            buffer.resize_(self.world * numel)
+            buffer.untyped_storage().resize_(self.world * numel * buffer.element_size())
+            if runtime.active.tracks:
+                runtime.active.allocated(buffer)
 
-    def rebuild(self, shard: torch.Tensor, param_dtype: torch.dtype, shape: torch.Size,
-                requires_grad: bool) -> nn.Parameter:
-        """The full parameter from the gathered outputs (`shard`'s fsdp_post_all_gather)."""
-        outputs = tuple(t.view(-1, *s[1:]) for t, s in zip(self.outputs, self.shapes))
-        post = shard.fsdp_post_all_gather
+    def inputs(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        sent, self.sent = self.sent, []
+        return sent
+
+    def outputs(self, small: bool) -> list[torch.Tensor]:
+        return self.outputs_
+
+    def after(self, small: bool) -> None:
+        """The full parameter from the gathered outputs (fsdp_post_all_gather); the metadata stays: a
+        gather inside the smaller group rebuilds from it again."""
+        p = self.p
+        outputs = tuple(t.view(-1, *s[1:]) for t, s in zip(self.outputs_, self.shapes))
+        post = p.sharded._local_tensor.fsdp_post_all_gather
         if self.full is None:
-            full, self.inner = post(outputs, self.metadata, param_dtype)
-            stride = torch.empty(shape, device="meta").stride()
-            self.full = nn.Parameter(torch.as_strided(full, shape, stride, 0), requires_grad=requires_grad)
+            full, self.inner = post(outputs, self.metadata, self.param_dtype)
+            stride = torch.empty(p.global_shape, device="meta").stride()
+            self.full = nn.Parameter(torch.as_strided(full, p.global_shape, stride, 0),
+                                     requires_grad=p.sharded.requires_grad)
         else:
             for tensor in self.inner:
                 tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
             with torch.no_grad(), _unsafe_preserve_version_counter(self.full):  # refills what autograd saved
-                post(outputs, self.metadata, param_dtype, out=self.full)
-        return self.full  # the metadata stays: a gather inside a smaller group rebuilds from it again
+                post(outputs, self.metadata, self.param_dtype, out=self.full)
+        p.unsharded = self.full
 
     def free(self) -> None:
         """Free the full tensor's storage and the output buffers (the objects stay)."""
-        for tensor in (*self.inner, *self.outputs):
+        for tensor in (*self.inner, *self.outputs_):
             tensor.untyped_storage().resize_(0)
+
+
+register_format(lambda p, options: p.extension, Extension)

@@ -1,4 +1,5 @@
-"""When units gather, free and reduce: module hooks and autograd hooks (the Root's final callback ends backward).
+"""When units gather, free and reduce: module hooks and autograd hooks (the Root's final callback ends
+backward); and the optimizer step pre-hook that refuses an optimizer that would not train a sharded model.
 
 # Note [backward triggers]: a unit's backward starts when a gradient reaches any of its
 # forward outputs (a hook on each output tensor gathers the parameters), and ends when
@@ -62,6 +63,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 from collections import UserDict
 from collections.abc import Mapping, MutableMapping
 from enum import Enum, auto
@@ -69,10 +71,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fullshard.errors import fail
 from fullshard.options import Schedule
 from fullshard.root import Root
+from fullshard.param import OwnedParam
 from fullshard.unit import Unit
 
 HOOKS_ATTR = "_fullshard_hooks"
@@ -96,6 +101,70 @@ def normal_tensors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return run
+
+
+# ---- the optimizer's step pre-hook: a guard against optimizers that would not train the model ----
+
+# Original parameter -> description of the unit that took it. A parameter registered in
+# two units would get two independent shards that silently drift apart (the failure of
+# tied weights split across units), so a second unit asking for it is refused.
+OWNER = WeakIdKeyDictionary()  # weak, by identity: tensors compare elementwise
+
+_optimizer_hook = None  # check_optimizer_step's handle, once registered
+
+
+def claim(owned: list[OwnedParam], what: str, ignored) -> None:
+    """Record what a new unit took (and the parameters its call left to the user), and guard
+    optimizer steps from now on (check_optimizer_step)."""
+    global _optimizer_hook
+    for o in owned:
+        OWNER[o.param] = f"{what} (as {o.fqn!r})"
+    IGNORED.update((p, True) for p in ignored)
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer_step)
+
+def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Before every optimizer step (a global hook, registered by the first fully_shard): refuse
+    an optimizer that would silently not train a sharded model. Only the parameters that are
+    not DTensors, few in a sharded model, need a look."""
+    stale, unaveraged, sharded = [], [], False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, torch.distributed.tensor.DTensor):
+                sharded = True
+            elif p in OWNER:
+                stale.append(OWNER[p])
+            elif p.grad is not None and p not in DDP_AVERAGED and p not in IGNORED:
+                unaveraged.append(p)
+    if stale:
+        raise fail(f"this {type(optimizer).__name__} holds {len(stale)} parameters that fully_shard replaced "
+                   f"(e.g. {stale[0]}), so its steps would never change the model",
+                   "Build the optimizer after shard_model / fully_shard, from model.parameters().")
+    if sharded and unaveraged and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        unaveraged = [p for p in unaveraged if p not in ddp_averaged()]
+        if unaveraged:
+            shapes = [tuple(p.shape) for p in unaveraged[:6]]
+            raise fail(f"this {type(optimizer).__name__} steps on {len(unaveraged)} parameters that no unit manages "
+                       f"(shapes {shapes}) next to sharded ones: their gradients were not averaged across "
+                       f"ranks, so every rank would train its own copy of them",
+                       "Call fully_shard on the root module too, last (after its blocks), or use "
+                       "fullshard.shard_model, whose root is always a unit.")
+
+DDP_AVERAGED = WeakIdKeyDictionary()  # parameters a DistributedDataParallel (e.g. replicate()'s) averages
+
+IGNORED = WeakIdKeyDictionary()  # ignored_params: the user averages (or means to keep) them
+
+def ddp_averaged() -> WeakIdKeyDictionary:
+    """Parameters that live DistributedDataParallel instances (torch's replicate() makes one)
+    average. Found by a scan of the heap, on the path that would otherwise refuse the step,
+    and remembered, so a model that composes with DDP pays for it once."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DistributedDataParallel):  # type(), not isinstance: a dead weakref.proxy raises
+            DDP_AVERAGED.update((p, True) for p in obj.parameters() if p.requires_grad)
+    return DDP_AVERAGED
+
 
 
 def hooks_on(module: nn.Module) -> list[UnitHooks]:
@@ -254,7 +323,7 @@ class UnitHooks:
             for index, hooks in enumerate(units):
                 hooks.root = root
                 hooks.is_root = hooks is self
-                hooks.unit.join(fqns[index], index, fqns, model, root.pool, root.stats)
+                hooks.unit.join(fqns[index], index, fqns, model, root.pool, root.meter)
         return self.root
 
     def set_prefetch_targets(self, *, forward: list[Unit] | None = None, backward: list[Unit] | None = None) -> None:
@@ -371,7 +440,7 @@ class UnitHooks:
         self.phase = Phase.IDLE
 
     def finish_backward(self) -> None:
-        if self.needs_reduce or self.unit.has_full_grads():
+        if self.needs_reduce or self.unit.grads.has_full_grads():
             self.unit.post_backward()
         elif self.unit.switches.reshard_after_backward:
             self.unit.reshard()

@@ -1,91 +1,29 @@
 """fully_shard's steps (shard_unit): which parameters a unit takes and from where, where
-they are split, the class swap and the state-dict hooks of a unit's modules; and the
-registries of what fully_shard replaced, which this file alone writes (the optimizer
-step guard reads them)."""
+they are split, the class swap and the state-dict hooks of a unit's modules."""
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 from typing import Iterable
 
 import torch
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fullshard import runtime
 from fullshard.checks import bit_sums, check_ranks_agree, dp_groups
 from fullshard.errors import fail
-from fullshard.hooks import HOOKS_ATTR, Phase, UnitHooks, hooks_on, units_under
+from fullshard.hooks import HOOKS_ATTR, OWNER, Phase, UnitHooks, claim, hooks_on, units_under
 from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group, spmd_dp_mesh
 from fullshard.module import FSDPModule
 from fullshard.options import Schedule, UnitOptions
 from fullshard.param import local_values
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fullshard.unit import OwnedParam, Unit, next_uid, unit_of
+from fullshard.param import OwnedParam
+from fullshard.tags import next_uid
+from fullshard.tags import unit_of
+from fullshard.unit import Unit
 
-
-# Original parameter -> description of the unit that took it. A parameter registered in
-# two units would get two independent shards that silently drift apart (the failure of
-# tied weights split across units), so a second unit asking for it is refused.
-_OWNER = WeakIdKeyDictionary()  # weak, by identity: tensors compare elementwise
-
-_optimizer_hook = None  # check_optimizer_step's handle, once registered
-
-
-def claim(owned: list[OwnedParam], what: str, ignored) -> None:
-    """Record what a new unit took (and the parameters its call left to the user), and guard
-    optimizer steps from now on (check_optimizer_step)."""
-    global _optimizer_hook
-    for o in owned:
-        _OWNER[o.param] = f"{what} (as {o.fqn!r})"
-    _IGNORED.update((p, True) for p in ignored)
-    if _optimizer_hook is None:
-        _optimizer_hook = register_optimizer_step_pre_hook(check_optimizer_step)
-
-def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Before every optimizer step (a global hook, registered by the first fully_shard): refuse
-    an optimizer that would silently not train a sharded model. Only the parameters that are
-    not DTensors, few in a sharded model, need a look."""
-    stale, unaveraged, sharded = [], [], False
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if isinstance(p, torch.distributed.tensor.DTensor):
-                sharded = True
-            elif p in _OWNER:
-                stale.append(_OWNER[p])
-            elif p.grad is not None and p not in _DDP_AVERAGED and p not in _IGNORED:
-                unaveraged.append(p)
-    if stale:
-        raise fail(f"this {type(optimizer).__name__} holds {len(stale)} parameters that fully_shard replaced "
-                   f"(e.g. {stale[0]}), so its steps would never change the model",
-                   "Build the optimizer after shard_model / fully_shard, from model.parameters().")
-    if sharded and unaveraged and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        unaveraged = [p for p in unaveraged if p not in ddp_averaged()]
-        if unaveraged:
-            shapes = [tuple(p.shape) for p in unaveraged[:6]]
-            raise fail(f"this {type(optimizer).__name__} steps on {len(unaveraged)} parameters that no unit manages "
-                       f"(shapes {shapes}) next to sharded ones: their gradients were not averaged across "
-                       f"ranks, so every rank would train its own copy of them",
-                       "Call fully_shard on the root module too, last (after its blocks), or use "
-                       "fullshard.shard_model, whose root is always a unit.")
-
-_DDP_AVERAGED = WeakIdKeyDictionary()  # parameters a DistributedDataParallel (e.g. replicate()'s) averages
-
-_IGNORED = WeakIdKeyDictionary()  # ignored_params: the user averages (or means to keep) them
-
-def ddp_averaged() -> WeakIdKeyDictionary:
-    """Parameters that live DistributedDataParallel instances (torch's replicate() makes one)
-    average. Found by a scan of the heap, on the path that would otherwise refuse the step,
-    and remembered, so a model that composes with DDP pays for it once."""
-    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
-
-    for obj in gc.get_objects():
-        if issubclass(type(obj), DistributedDataParallel):  # type(), not isinstance: a dead weakref.proxy raises
-            _DDP_AVERAGED.update((p, True) for p in obj.parameters() if p.requires_grad)
-    return _DDP_AVERAGED
 
 def from_spmd_mesh(owned: list[OwnedParam], mesh, dp_mesh_dims) -> tuple[list[OwnedParam], object]:
     """Note [SPMD meshes]: the parameters and the data-parallel mesh that `dp_mesh_dims` names in
@@ -238,9 +176,9 @@ def check_owned(what: str, owned: list[OwnedParam], group: ShardGroup) -> None:
     """Refuse parameters that another unit manages, DTensors of a parallelism fullshard cannot
     shard further, or parameters on several devices."""
     for o in owned:
-        if o.param in _OWNER:
+        if o.param in OWNER:
             raise fail(
-                f"parameter {o.fqn!r} of this {what} is already managed by the unit of {_OWNER[o.param]}; "
+                f"parameter {o.fqn!r} of this {what} is already managed by the unit of {OWNER[o.param]}; "
                 f"a parameter must belong to exactly one unit",
                 "Shard the lowest common ancestor of every module that uses it instead (e.g. do "
                 "not shard an output head separately when its weight is tied to the embedding), "

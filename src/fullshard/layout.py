@@ -92,5 +92,6 @@ class UnitLayout:
     def release(self) -> None:
         """Free the full parameters' storage (the tensors stay, Note [stable full params])."""
         if self.full_flat is not None:
-            runtime.active.freed(self.full_flat)
+            if runtime.active.tracks:
+                runtime.active.freed(self.full_flat)
             self.full_flat.untyped_storage().resize_(0)

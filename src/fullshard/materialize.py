@@ -26,7 +26,7 @@ from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail
 from fullshard.hooks import units_under
 from fullshard.param import ShardedParam, local_values
-from fullshard.unit import sharded_params
+from fullshard.param import sharded_params
 
 
 def has_meta(model: nn.Module) -> bool:

@@ -316,7 +316,7 @@ class FSDPModule(TorchFSDPModule):
         module = super(TorchFSDPModule, self)._apply(fn, recurse)  # torch's own reads FSDP2's state
         for unit in self._units(False):
             moved = [p.local_shard() for p in unit.params]  # a module group's members move their own in turn
-            if any(p.extension is None and not local.is_meta and
+            if any(not p.extension and not local.is_meta and
                    local.untyped_storage()._cdata != shard.untyped_storage()._cdata
                    for p, local, shard in zip(unit.params, moved, unit.layout.shards)):
                 device = next(local.device for local in moved if not local.is_meta)

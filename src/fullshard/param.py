@@ -51,7 +51,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -60,8 +60,17 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fullshard.collectives import full_tensor
 from fullshard.errors import fail
-from fullshard.extension import Extension, has_extension
 from fullshard.mesh import ShardGroup, spmd_layout
+
+
+def has_extension(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (a parameter's local tensor) takes part in Note [all-gather extensions]
+    (extension.py)."""
+    pre, post = hasattr(tensor, "fsdp_pre_all_gather"), hasattr(tensor, "fsdp_post_all_gather")
+    if pre != post:
+        raise fail(f"a {type(tensor).__name__} parameter defines only one of fsdp_pre_all_gather and "
+                   f"fsdp_post_all_gather", "Define both (FSDP2's all-gather extension protocol), or neither.")
+    return pre
 
 
 def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
@@ -92,6 +101,20 @@ def alias(storage_of: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """A new tensor over the first elements of `storage_of`'s storage, with its own version counter."""
     out = torch.empty(0, dtype=storage_of.dtype, device=storage_of.device)
     return out.set_(storage_of.untyped_storage(), storage_of.storage_offset(), shape)
+
+
+@dataclass(frozen=True)
+class OwnedParam:
+    """A parameter a unit will manage, with every place it is registered (made by fully_shard's
+    init steps, each a new record)."""
+
+    param: nn.Parameter
+    fqn: str  # relative to the unit's module
+    slots: tuple[tuple[nn.Module, str], ...]
+    dim: int = 0  # the dim it is split along (FSDP2's shard_placement_fn, Note [another dim])
+    view: tuple[DTensorSpec, frozenset[int]] | None = None  # Note [SPMD meshes]: its spec there, the dp dims
+    mesh: object = None  # a DeviceMesh of its own (FSDP2's ShardPlacementResult, Note [meshes of one call]); None: the call's
+
 
 
 class ShardedParam:
@@ -137,7 +160,7 @@ class ShardedParam:
         self.padded_shape = (group.world,) if self.replicated else (group.world * rows_per_shard, *self.shape[1:])
         self.accumulated: torch.Tensor | None = None  # full gradients held by hold_grad
         self.specs: dict[torch.dtype, DTensorSpec] = {}  # the shard's DTensor spec, per dtype (as_dtensor)
-        self.extension: Extension | None = None  # Note [all-gather extensions]
+        self.extension = False  # Note [all-gather extensions]: its gathers are extension.py's
         if has_extension(values):
             local = self.extended(values, fqn)
         else:
@@ -158,7 +181,7 @@ class ShardedParam:
             padded = values.new_zeros((self.rows_per_shard, *self.shape[1:]))
             rows = self.local_shape[0]
             padded[:rows].copy_(values[self.first_row : self.first_row + rows])
-        self.extension = Extension(padded, fqn)
+        self.extension = True
         self.padded_shard = padded
         self.full_padded = None
         self.unsharded = nn.Parameter(torch.empty(0, dtype=values.dtype, device=values.device),
@@ -188,7 +211,7 @@ class ShardedParam:
     def rebind(self, segment: torch.Tensor, full_segment: torch.Tensor | None) -> None:
         """Move onto new storage (deferred init, Module.to_empty), keeping the values the shard
         has (none on meta) and the Parameter object the user and optimizer hold."""
-        if self.extension is not None:
+        if self.extension:
             raise fail(f"parameter {self.fqn!r} defines FSDP2's all-gather extensions and was moved or built on "
                        f"the meta device", "Give the model its device and values first, then convert its "
                        "parameters (e.g. torchao's convert_to_float8_training), then shard it.")
@@ -200,15 +223,19 @@ class ShardedParam:
         torch.utils.swap_tensors(self.sharded, nn.Parameter(self.as_dtensor(local),
                                                             requires_grad=self.sharded.requires_grad))
 
+    def spec_for(self, dtype: torch.dtype) -> DTensorSpec:
+        """The DTensor spec of the shard's layout (of the parameter or its gradient) in `dtype`."""
+        spec = self.specs.get(dtype)
+        if spec is None:
+            spec = self.specs[dtype] = DTensorSpec(
+                self.mesh, self.placements, tensor_meta=TensorMeta(self.global_shape, self.global_stride, dtype))
+        return spec
+
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap this rank's rows (of the parameter or of its gradient, stored rows first) as a
         DTensor, made directly from its spec: DTensor.from_local is an autograd Function that
         checks its arguments, a cost paid per gradient per step, and neither is needed here."""
-        spec = self.specs.get(local.dtype)
-        if spec is None:
-            spec = self.specs[local.dtype] = DTensorSpec(
-                self.mesh, self.placements, tensor_meta=TensorMeta(self.global_shape, self.global_stride, local.dtype))
-        return DTensor(self.unrows(local), spec, requires_grad=local.requires_grad)
+        return DTensor(self.unrows(local), self.spec_for(local.dtype), requires_grad=local.requires_grad)
 
     def on_tp_mesh(self, full_local: torch.Tensor) -> torch.Tensor:
         """The full parameter as forward sees it: a DTensor on the TP mesh over the gathered
@@ -247,40 +274,6 @@ class ShardedParam:
                 value = value.narrow(d, min(coordinate * per, value.shape[d]), rows)
         return value
 
-    def full_grad(self, redistribute: Callable[[DTensor, tuple], DTensor]) -> torch.Tensor | None:
-        """The full parameter's gradient, taken: a plain tensor of the local part, rows first
-        (a strided view for Note [another dim]), added to what `hold_grad` kept. A TP gradient
-        still a partial sum over the TP ranks (a replicated weight applied to sequence-parallel
-        activations) is summed over them first, by `redistribute` (collectives.redistribute:
-        this file issues no collective itself)."""
-        grad = self.unsharded.grad
-        if isinstance(grad, DTensor):
-            want = self.tp_placements  # e.g. from Partial()
-            if self.view is not None:  # the data-parallel dims as they are, Note [SPMD meshes]
-                spec, dp_dims = self.view
-                want = tuple(grad.placements[i] if i in dp_dims else p for i, p in enumerate(spec.placements))
-            if tuple(grad.placements) != want:
-                grad = redistribute(grad, want)
-            grad = grad.to_local()
-        if grad is not None:
-            grad = self.rows(grad)
-        if self.accumulated is not None:
-            if grad is not None:
-                self.accumulated.add_(grad)
-            grad, self.accumulated = self.accumulated, None
-        self.unsharded.grad = None
-        return grad
-
-    def hold_grad(self, dtype: torch.dtype, redistribute: Callable[[DTensor, tuple], DTensor]) -> None:
-        """After a backward without gradient sync: keep the full gradient summed in `dtype`, the
-        reduce dtype, as the reduction would sum it; autograd would accumulate micro-batches in
-        the compute dtype (bf16 rounds each sum to 8 bits). A no-op when the two dtypes agree."""
-        grad = self.unsharded.grad
-        if grad is None or local_values(grad).dtype == dtype:
-            return
-        grad = self.full_grad(redistribute)
-        self.accumulated = grad if grad.dtype == dtype else grad.to(dtype)
-
     def drop_full_grad(self) -> None:
         """Forget the full gradient of a step that will not be reduced (a backward that raised)."""
         self.unsharded.grad = self.accumulated = None
@@ -288,25 +281,6 @@ class ShardedParam:
     def drop_grad(self) -> None:
         """Forget the sharded gradient (a step skipped for non-finite gradients)."""
         self.sharded.grad = None
-
-    def rebuild_full(self, dtype: torch.dtype) -> None:
-        """Note [all-gather extensions]: the full parameter, as fsdp_post_all_gather makes it from
-        what the gather brought."""
-        self.unsharded = self.extension.rebuild(self.sharded._local_tensor, dtype, self.global_shape,
-                                                self.sharded.requires_grad)
-
-    def full_grad_bytes(self) -> int:
-        """Bytes of full gradient this rank holds for the parameter."""
-        grad = self.unsharded.grad
-        return (0 if grad is None else local_values(grad).nbytes) + \
-            (0 if self.accumulated is None else self.accumulated.nbytes)
-
-    def run_post_accumulate_hooks(self) -> None:
-        """Run the hooks registered with register_post_accumulate_grad_hook on the shard (e.g. an
-        optimizer step inside backward) now that its gradient landed, as autograd runs them on a
-        plain parameter; they see the shard and its sharded gradient."""
-        for hook in list((self.sharded._post_accumulate_grad_hooks or {}).values()):
-            hook(self.sharded)
 
     def local_shard(self) -> torch.Tensor:
         """This rank's rows of the shard, rows first (a view of the unit's storage)."""
@@ -384,11 +358,10 @@ class ShardedParam:
         with torch.no_grad():
             self.local_shard().copy_(self.rows_of(full))
 
-    def accumulate_grad(self, local_grad: torch.Tensor) -> None:
-        """Add this rank's reduced rows to the shard's gradient, creating it on first use."""
-        local_grad = local_grad.to(self.sharded._local_tensor.device, self.sharded.dtype)  # offload; master dtype
-        if self.sharded.grad is None:
-            self.sharded.grad = self.as_dtensor(local_grad)
-        else:
-            with torch.no_grad():
-                self.local_grad().add_(local_grad)
+
+
+def sharded_params(units) -> dict[nn.Parameter, ShardedParam]:
+    """The parameter each ShardedParam of `units` puts in the modules between steps (its
+    shard, a DTensor), mapped to it: how state dicts, checkpoints and deferred init find
+    what a parameter of the model is."""
+    return {p.sharded: p for unit in units for p in unit.params}

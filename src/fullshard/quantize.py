@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from fullshard import runtime
+from fullshard.gather import Context, Plain, register_format
+from fullshard.param import ShardedParam
+
 GATHER_BLOCK = 256  # values per scale: the default of MixedPrecisionPolicy.gather_block
 
 
@@ -27,17 +31,32 @@ def quantized_bytes(numel: int, block: int) -> int:
     return numel + 4 * -(-numel // block)
 
 
-class BlockQuantized:
-    """One parameter's int8 gather (Note [int8 gathers]): what it sends and its output buffers."""
+class Quantized(Plain):
+    """A floating-point parameter gathered as int8 blocks and their scales (Note [int8 gathers])."""
 
-    def __init__(self, numel: int, block: int, device: torch.device) -> None:
-        self.numel, self.block = numel, block
-        self.blocks = -(-numel // block)
-        self.device = device
-        self.outputs: list[torch.Tensor] = []  # [world * numel] int8, [world * blocks] float32
+    static = False
+
+    def __init__(self, p: ShardedParam, full_dtype: torch.dtype, context: Context) -> None:
+        super().__init__(p, full_dtype, context)
+        self.block, self.world, device = context.options.gather_block, context.world, context.device
+        self.numel = p.shard_numel
+        self.blocks = -(-self.numel // self.block)
+        self.dtypes, self.numels = [torch.int8, torch.float32], [self.numel, self.blocks]
+        # every rank's q ([world * numel] int8) and scales ([world * blocks] float32)
+        self.q = torch.empty(0, dtype=torch.int8, device=device)
+        self.scales = torch.empty(0, dtype=torch.float32, device=device)
+
+    def allocate(self, small: bool) -> None:
+        if small:  # the 1/k copy holds values: its rows go to the full parameter
+            return
+        for buffer, numel in ((self.q, self.world * self.numel), (self.scales, self.world * self.blocks)):
+            buffer.resize_(numel)  # memory, on the compute stream (Note [gather streams])
+            buffer.untyped_storage().resize_(numel * buffer.element_size())
+            if runtime.active.tracks:
+                runtime.active.allocated(buffer)
 
     def inputs(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's shard (flat, `numel` values) as int8 and one float32 scale per block."""
+        """This rank's shard (flat, on the device) as int8 and one float32 scale per block."""
         values = torch.zeros(self.blocks * self.block, dtype=torch.float32, device=shard.device)
         values[: self.numel].copy_(shard.reshape(-1))  # the last block padded with zeros, which are not sent
         blocks = values.view(self.blocks, self.block)
@@ -46,21 +65,29 @@ class BlockQuantized:
         q = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         return [q.view(-1)[: self.numel], scales]
 
-    def output_buffers(self, world: int) -> list[torch.Tensor]:
-        if not self.outputs:
-            self.outputs = [torch.empty(world * self.numel, dtype=torch.int8, device=self.device),
-                            torch.empty(world * self.blocks, dtype=torch.float32, device=self.device)]
-        else:
-            for buffer in self.outputs:
-                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        return self.outputs
+    def outputs(self, small: bool) -> list[torch.Tensor]:
+        return [self.p.full_padded.view(-1)] if small else [self.q, self.scales]  # the 1/k copy holds values
 
-    def dequantize(self, full_padded: torch.Tensor, world: int) -> None:
-        """Write every rank's q * s into `full_padded` ([world * numel] of the full dtype, as rows)."""
-        q, scales = self.outputs
-        steps = scales.view(world, self.blocks).repeat_interleave(self.block, dim=1)[:, : self.numel]
-        full_padded.view(world, -1).copy_(q.view(world, self.numel).to(torch.float32) * steps)
+    def after(self, small: bool) -> None:
+        """Write every rank's q * s into the full parameter, block by block (no [world * numel]
+        float32 copy of q); the 1/k copy's rows are values already."""
+        if small:
+            return
+        full = self.p.full_padded.view(self.world, -1)  # [world, numel]
+        scales = self.scales.view(self.world, self.blocks)
+        q = self.q.view(self.world, self.numel)
+        whole = self.numel // self.block * self.block
+        if whole:
+            out = full[:, :whole].view(self.world, -1, self.block)
+            torch.mul(q[:, :whole].view(self.world, -1, self.block), scales[:, : whole // self.block, None],
+                      out=out)
+        if whole < self.numel:  # the last, shorter block
+            torch.mul(q[:, whole:], scales[:, -1:], out=full[:, whole:])
 
     def free(self) -> None:
-        for buffer in self.outputs:
+        for buffer in (self.q, self.scales):
             buffer.untyped_storage().resize_(0)
+
+
+register_format(lambda p, options: options.gather_block is not None and p.sharded.dtype.is_floating_point
+                and not p.replicated and not p.extension, Quantized)

@@ -1,6 +1,7 @@
-"""Root: the units under one root, as one step runs them: the start of each forward, the
-final callback at the end of backward (Note [backward triggers], hooks.py), and what every
-unit under the root shares (scheduler, buffers, statistics)."""
+"""Root: the units under one root, as one step runs them: the start of each forward, the order
+units gather ahead of use (Note [prefetch], hooks.py), the final callback at the end of
+backward (Note [backward triggers]), and what every unit under the root shares (its buffers,
+its memory meter, its statistics)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from fullshard import runtime
-from fullshard.collectives import BufferPool, all_gather_ints, site
+from fullshard.collectives import all_gather_ints, site
 from fullshard.errors import fail
 from fullshard.options import Schedule
+from fullshard.routes import BufferPool
 from fullshard.runtime import CollectiveError, labelled
-from fullshard.schedule import Scheduler
-from fullshard.stats import Stats
-from fullshard.unit import ShardState, Unit, described
+from fullshard.stats import Stats, new_meter
+from fullshard.tags import described
+from fullshard.unit import ShardState, Unit
 
 FIRST_FORWARD = site("the check of the first forward")
 NONFINITE = site("the non-finite check")
@@ -29,9 +31,12 @@ class Root:
         self.units = units  # every unit's UnitHooks (hooks.py, which makes the root), the root's first
         self.scheduler = Scheduler(schedule)
         self.pool = BufferPool()
-        self.stats = Stats()
+        self.meter = new_meter()  # full parameter and gradient bytes alive, and their peaks (Unit.metered)
+        self.stats = Stats(self)
         self.callback_queued = False
         self.step = 0  # backward passes finished
+        self.steps_counted = 0  # likewise, for Stats (which a reset rebases)
+        self.skipped = 0  # steps whose gradients were dropped for being non-finite
         self.checked_first_forward = False
 
     def start_forward(self) -> None:
@@ -90,17 +95,17 @@ class Root:
             for hooks in reversed(self.units):  # issue every reduction left, then wait: they overlap
                 hooks.finish_backward()
             for hooks in reversed(self.units):
-                hooks.unit.finish_reduce()
-            reduced = any(hooks.unit.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
-            if any(hooks.unit.unlanded for hooks in self.units):  # the one host sync, Note [host syncs]
+                hooks.unit.grads.finish()
+            reduced = any(hooks.unit.grads.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
+            if any(hooks.unit.grads.unlanded for hooks in self.units):  # the one host sync, Note [host syncs]
                 self.host_waits("the gradients copied to host memory")
             for hooks in self.units:
-                hooks.unit.land_queued()
-            if [hooks.unit.settle_all_reduce() for hooks in self.units].count(True):
+                hooks.unit.grads.land_queued()
+            if [hooks.unit.grads.settle_all_reduce() for hooks in self.units].count(True):
                 self.host_waits("the gradients all-reduced across replicas")  # once for every unit
         self.scheduler.end_backward()
         self.callback_queued = False
-        self.stats.finished_step()
+        self.steps_counted += 1
         self.step += 1
         self.pool.release()  # forward's activations may reuse that memory
         if reduced:  # a backward under no_sync has nothing new to check
@@ -127,9 +132,9 @@ class Root:
         unit = self.units[0].unit
         bad = torch.full((1,), -1, dtype=torch.int64, device=unit.compute_device)  # first unit not finite, or -1
         for other in reversed(checked):
-            if other.finite is not None:
-                bad = torch.where(other.finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
-            other.clear_finite()
+            if other.grads.finite is not None:
+                bad = torch.where(other.grads.finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
+            other.grads.clear_finite()
         try:
             codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout,
                                                          what=NONFINITE)]
@@ -141,7 +146,7 @@ class Root:
             for p in hooks.unit.params:  # steps anyway must not write inf/NaN into the parameters
                 p.drop_grad()
         if not any(code >= 0 and code % 2 for code in codes):
-            self.stats.skipped_step()
+            self.skipped += 1
             return
         mine = codes[dist.get_rank()]
         where = f"unit {unit.names[mine // 2]!r}" if mine >= 0 else \
@@ -161,3 +166,72 @@ class Root:
             hooks.reset()
         self.scheduler.end_backward()
         self.callback_queued = False
+
+
+class Scheduler:
+    """The forward order (recorded each step, reversed for backward), the limiter and the
+    reduction in flight. Orders are lists with a position map, so each lookup is O(1)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.order: list[Unit] = []  # this step's forward order, first calls only
+        self.position: dict[Unit, int] = {}  # index in `order`
+        self.last_order: list[Unit] = []
+        self.last_position: dict[Unit, int] = {}
+        self.ahead: dict[Unit, None] = {}  # gathered ahead of use, not used yet (insertion-ordered)
+        self.reducing: Unit | None = None  # the unit whose reduction is in flight
+
+    def start_forward(self) -> None:
+        if self.order:
+            self.last_order, self.last_position = self.order, self.position
+            self.order, self.position = [], {}
+
+    def record(self, unit: Unit) -> None:
+        """`unit` starts its forward or backward: it is no longer ahead of use."""
+        self.ahead.pop(unit, None)
+        if unit not in self.position:
+            self.position[unit] = len(self.order)
+            self.order.append(unit)
+
+    def prefetch(self, targets: list[Unit], *, limited: bool) -> None:
+        limit = self.schedule.limit if limited else None
+        for target in targets:
+            if limit is not None and len(self.ahead) >= limit:
+                return
+            if target.state is ShardState.SHARDED:
+                target.unshard(adopt=False)  # the root scanned for replaced parameters, Note [replaced parameters]
+                self.ahead[target] = None
+
+    def prefetch_forward(self, unit: Unit, targets: list[Unit] | None) -> None:
+        """Before `unit`'s forward: its explicit targets, or those after it in the last forward."""
+        if targets is not None:
+            self.prefetch(targets, limited=False)
+        elif self.schedule.forward_prefetch and unit in self.last_position:
+            self.prefetch(self.last_order[self.last_position[unit] + 1 :], limited=True)
+
+    def prefetch_backward(self, unit: Unit, targets: list[Unit] | None) -> None:
+        """Around `unit`'s backward: its explicit targets, or those before it in this forward, nearest first."""
+        if targets is not None:
+            self.prefetch(targets, limited=False)
+        elif unit in self.position:
+            self.prefetch(self.order[self.position[unit] - 1 :: -1] if self.position[unit] else [], limited=True)
+
+    def ran_last(self, unit: Unit) -> bool:
+        """Whether `unit` was the last to start its forward in the previous step."""
+        return bool(self.last_order) and self.last_order[-1] is unit
+
+    def drop_unused_prefetches(self) -> None:
+        """End of forward: units prefetched but never run (the order changed) are freed."""
+        for unit in self.ahead:
+            unit.reshard()
+        self.ahead.clear()
+
+    def reduce_issued(self, unit: Unit) -> None:
+        """`unit`'s reduction is in flight: wait for the one issued before it."""
+        if self.reducing is not None and self.reducing is not unit:
+            self.reducing.grads.finish()
+        self.reducing = unit
+
+    def end_backward(self) -> None:
+        self.drop_unused_prefetches()
+        self.reducing = None

@@ -160,9 +160,6 @@ class HangWatch:
 # late after the GPU got there (a fraction of a ms per host sync), at <= 2000 wake-ups a second
 MAX_PAUSE_S = 5e-4
 
-# the largest message to one peer that gloo sends as one all_to_all (Note [collective choice])
-SMALL_MESSAGE = 256 * 1024
-
 
 class Runtime:
     """CUDA streams and events where the device is a GPU; on the CPU streams are None."""
@@ -170,7 +167,7 @@ class Runtime:
     def __init__(self) -> None:
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self.watch = HangWatch()
-        self.gloo: dict[dist.ProcessGroup, bool] = {}  # whether each group's backend is gloo, for route
+        self.backends: dict[dist.ProcessGroup, str] = {}  # each group's backend, read once
 
     # ---- streams and events, Note [streams] ----------------------------------------------
 
@@ -216,24 +213,20 @@ class Runtime:
 
     # ---- collectives -------------------------------------------------------------------
 
-    def route(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> str:
-        """Note [collective choice]: how a unit's message of `nbytes` to each peer in `group`
-        goes: "native" (the backend's collective), "p2p" (gloo, point-to-point) or "all_to_all"
-        (gloo, host memory, at most SMALL_MESSAGE bytes)."""
-        gloo = self.gloo.get(group)
-        if gloo is None:
-            gloo = self.gloo[group] = dist.get_backend(group) == "gloo"
-        if not gloo:
-            return "native"
-        return "all_to_all" if device.type == "cpu" and nbytes <= SMALL_MESSAGE else "p2p"
+    def backend(self, group: dist.ProcessGroup) -> str:
+        """The backend of `group` ("gloo", "nccl", ...), which routes.route_for chooses by."""
+        name = self.backends.get(group)
+        if name is None:
+            name = self.backends[group] = dist.get_backend(group)
+        return name
 
-    def checks_headers(self, group: dist.ProcessGroup) -> bool:
-        """Whether a collective of `group` that gloo's own algorithm runs is preceded by an
-        all-gather of the headers (Note [named hangs]): on gloo, whose waits block the host anyway."""
-        return self.route(group, torch.device("cpu"), 0) != "native"
+    def host_memory(self, device: torch.device) -> bool:
+        """Whether tensors on `device` live in host memory (gloo's collectives then run on the host)."""
+        return device.type == "cpu"
 
     def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
-        """`works` were just issued on the current stream, reading and writing these buffers."""
+        """`works` were just issued on the current stream, reading and writing these buffers (a
+        stream model's: the module's `launched` calls it only when one `tracks`)."""
         return works
 
     def wait_works(self, works: list, *, timeout: timedelta, what: str, on_device: bool) -> None:
@@ -336,6 +329,12 @@ class Runtime:
 
 
 active = Runtime()
+
+
+def launched(works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
+    """`works` just issued on the current stream, reading and writing these buffers: told to the
+    runtime only when it `tracks` (a stream model), so that training pays no call for it."""
+    return active.launched(works, reads=reads, writes=writes) if active.tracks else works
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """State dicts of sharded models, under the unwrapped model's names: names <-> shards, full
 (gathered unit by unit) or sharded (DTensors), optimizer state keyed by parameter name.
-Checkpoints on disk are checkpoint.py's.
+Checkpoints on disk are the checkpoint package's.
 """
 
 from __future__ import annotations
@@ -18,11 +18,40 @@ from torch.distributed.tensor import DTensor
 from fullshard import runtime
 from fullshard.collectives import full_tensor
 from fullshard.errors import fail, require
-from fullshard.manifest import FLOAT_CASTS, REAL, dtype_name, dtype_problem
+from fullshard.gather import gather_state, gather_whole
 from fullshard.hooks import normal_tensors, units_of, units_under
 from fullshard.mesh import compute_device
 from fullshard.param import ShardedParam
-from fullshard.unit import Unit, sharded_params
+from fullshard.param import sharded_params
+from fullshard.unit import Unit
+
+# Note [loaded dtypes]: a dtype a file names is one of LOADABLE (the plain numeric dtypes and
+# float8; not the quantized, sub-byte or bit dtypes, which torch cannot copy, or not without
+# crashing), and it must be the dtype of what the value lands in: the model's tensor, or the
+# optimizer state the optimizer holds. Where the optimizer holds none yet, it is what torch's
+# Optimizer.load_state_dict makes of it: a state value of a floating-point parameter is cast to
+# the parameter's dtype, so it must be floating-point; "step" stays as it is, so it must be a
+# real number type. Floating-point values may land in another floating-point dtype of
+# FLOAT_CASTS (a bf16 checkpoint into fp32 masters); nothing else is cast, so no value is ever
+# read as another type's bytes.
+LOADABLE = {name_: getattr(torch, name_) for name_ in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16", "float32",
+    "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e8m0fnu") if isinstance(getattr(torch, name_, None), torch.dtype)}  # Note [loaded dtypes]
+FLOAT_CASTS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+REAL = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *FLOAT_CASTS})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_problem(saved: torch.dtype, target: torch.dtype) -> str | None:
+    """Why a value saved as `saved` cannot land in a tensor of `target` (Note [loaded dtypes])."""
+    if saved == target or saved in FLOAT_CASTS and target in FLOAT_CASTS:
+        return None
+    return f"saved as {dtype_name(saved)}, lands in {dtype_name(target)}"
+
 
 Entry = ShardedParam | tuple[nn.Module, str]
 
@@ -71,7 +100,7 @@ def reshard_all(model: nn.Module) -> None:
     """Between steps every unit is sharded; one kept full would hold stale or unsaved values.
     A gather still in flight (unshard(async_op=True) not yet waited for) is refused first."""
     units = units_of(model, "state dicts")
-    pending = [unit.fqn or type(unit.module).__name__ for unit in units if unit.pending is not None]
+    pending = [unit.fqn or type(unit.module).__name__ for unit in units if unit.gathering is not None]
     if pending:
         raise fail(f"units {pending} have an unshard(async_op=True) in flight, which state dicts, save and load "
                    f"cannot run beside", "Call handle.wait() on what unshard(async_op=True) returned (or "
@@ -94,7 +123,7 @@ def full_model_state(model: nn.Module, *, cpu_offload: bool, keep: bool) -> dict
     entries = state_entries(model)
     full: dict[int, torch.Tensor] = {}
     for unit in units_of(model, "get_state_dict"):
-        for p, tensor in unit.gather_whole():
+        for p, tensor in gather_whole(unit):
             if keep:
                 full[id(p)] = tensor.cpu() if cpu_offload else tensor
     if not keep:
@@ -127,7 +156,7 @@ def full_state_value(value: DTensor, unit: Unit, param: ShardedParam, what: str)
         return local
     padded = torch.zeros(param.shard_numel, dtype=local.dtype, device=local.device)
     padded[: local.numel()].copy_(param.rows(local).reshape(-1))
-    return param.whole(unit.gather_values([param], [padded], local.dtype, what)[0])
+    return param.whole(gather_state(unit, [param], [padded], local.dtype, what)[0])
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool, cpu_offload: bool,

@@ -1,12 +1,31 @@
-"""Stats: exact communication and memory accounting of the units under one root."""
+"""Stats: exact communication and memory accounting of the units under one root, read from the
+counters each unit keeps of its own collectives (Unit.counts) and the root's memory meter, so
+that counting costs a training step no call."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+COUNTERS = ("gathers", "reduce_scatters", "all_reduces", "gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
+            "wait_s")
+PER_UNIT = ("gathers", "reduce_scatters", "all_reduces")
 
 
-@dataclass
+def new_counts() -> dict[str, float]:
+    """A unit's counters (Unit.counts): collectives and the bytes this rank sent in them, host seconds waited."""
+    return dict.fromkeys(COUNTERS, 0)
+
+
+def new_meter() -> list[int]:
+    """A root's memory meter: [full parameter bytes alive, their peak, full gradient bytes, their peak]."""
+    return [0, 0, 0, 0]
+
+
+def metered(meter: list[int], at: int, delta: int) -> None:
+    """Add `delta` bytes to the meter's figure at `at` (0: parameters, 2: gradients), raising its peak."""
+    meter[at] += delta
+    if meter[at] > meter[at + 1]:
+        meter[at + 1] = meter[at]
+
+
 class Stats:
     """Counts since the last reset, for this rank.
 
@@ -14,26 +33,57 @@ class Stats:
     ((N-1)/N of a gather's output, of a reduce-scatter's input, 2(N-1)/N of an
     all-reduce). The `*_wire_bytes` properties are what the algorithm in use sends; the
     algorithms used here (point-to-point or all_to_all on gloo, NCCL's rings) are
-    bandwidth-optimal, so they are the same counts (not counted: the 24-element tag at the
-    end of each row of a small gloo message, Note [named hangs]). `wait_s` is host time
-    blocked on communication (on GPUs waits are stream waits and cost no host time).
-    Peaks are of full (unsharded) parameters and gradients alive at once, in bytes.
+    bandwidth-optimal, so they are the same counts (not counted: the 16-byte header of each
+    gloo message, Note [named hangs]). `wait_s` is host time blocked on communication (on
+    GPUs waits are stream waits and cost no host time). Peaks are of full (unsharded)
+    parameters and gradients alive at once, in bytes.
     """
 
-    steps: int = 0  # backward passes finished
-    skipped_steps: int = 0  # steps whose gradients were dropped for being non-finite (set_nonfinite_grads("skip"))
-    gathers: int = 0
-    reduce_scatters: int = 0
-    all_reduces: int = 0  # across replicas (hybrid sharding, no_shard)
-    gather_bytes: int = 0
-    reduce_scatter_bytes: int = 0
-    all_reduce_bytes: int = 0
-    wait_s: float = 0.0
-    full_param_bytes: int = 0  # alive now
-    full_grad_bytes: int = 0  # alive now, as far as the units have seen them
-    peak_full_param_bytes: int = 0
-    peak_full_grad_bytes: int = 0
-    per_unit: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    def __init__(self, root) -> None:
+        self.root = root  # a Root: its units' counters, its memory meter and step counts
+        self.base: dict[str, float] = {}
+        self.unit_base: dict[str, dict[str, float]] = {}
+
+    def total(self, name: str) -> float:
+        return sum(hooks.unit.counts[name] for hooks in self.root.units) - self.base.get(name, 0)
+
+    gathers = property(lambda self: self.total("gathers"))
+    reduce_scatters = property(lambda self: self.total("reduce_scatters"))
+    all_reduces = property(lambda self: self.total("all_reduces"))  # across replicas (hybrid sharding, no_shard)
+    gather_bytes = property(lambda self: self.total("gather_bytes"))
+    reduce_scatter_bytes = property(lambda self: self.total("reduce_scatter_bytes"))
+    all_reduce_bytes = property(lambda self: self.total("all_reduce_bytes"))
+    wait_s = property(lambda self: self.total("wait_s"))
+    gather_wire_bytes = gather_bytes
+    reduce_scatter_wire_bytes = reduce_scatter_bytes
+    all_reduce_wire_bytes = all_reduce_bytes
+
+    @property
+    def steps(self) -> int:
+        """Backward passes finished."""
+        return self.root.steps_counted - self.base.get("steps", 0)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose gradients were dropped for being non-finite (set_nonfinite_grads("skip"))."""
+        return self.root.skipped - self.base.get("skipped_steps", 0)
+
+    full_param_bytes = property(lambda self: self.root.meter[0])  # alive now
+    peak_full_param_bytes = property(lambda self: self.root.meter[1])
+    full_grad_bytes = property(lambda self: self.root.meter[2])  # alive now, as far as the units have seen them
+    peak_full_grad_bytes = property(lambda self: self.root.meter[3])
+
+    @property
+    def per_unit(self) -> dict[str, dict[str, int]]:
+        """Collectives by unit, of the kinds it ran."""
+        out = {}
+        for hooks in self.root.units:
+            unit = hooks.unit
+            base = self.unit_base.get(unit.fqn, {})
+            counts = {kind: unit.counts[kind] - base.get(kind, 0) for kind in PER_UNIT}
+            if any(counts.values()):
+                out[unit.fqn] = {kind: n for kind, n in counts.items() if n}
+        return out
 
     @property
     def intra_group_bytes(self) -> int:
@@ -47,28 +97,18 @@ class Stats:
         return self.all_reduce_bytes
 
     @property
-    def gather_wire_bytes(self) -> int:
-        return self.gather_bytes
-
-    @property
-    def reduce_scatter_wire_bytes(self) -> int:
-        return self.reduce_scatter_bytes
-
-    @property
-    def all_reduce_wire_bytes(self) -> int:
-        return self.all_reduce_bytes
-
-    @property
     def sent_bytes(self) -> int:
         """Everything this rank put on the wire."""
         return self.gather_wire_bytes + self.reduce_scatter_wire_bytes + self.all_reduce_wire_bytes
 
     def reset(self) -> Stats:
         """Zero the counters (peaks restart from what is alive now) and return self."""
-        alive = (self.full_param_bytes, self.full_grad_bytes)
-        self.__init__()
-        self.full_param_bytes, self.full_grad_bytes = alive
-        self.peak_full_param_bytes, self.peak_full_grad_bytes = alive
+        self.base = {}
+        self.base = {name: self.total(name) for name in COUNTERS}
+        self.base["steps"], self.base["skipped_steps"] = self.root.steps_counted, self.root.skipped
+        self.unit_base = {hooks.unit.fqn: dict(hooks.unit.counts) for hooks in self.root.units}
+        meter = self.root.meter
+        meter[1], meter[3] = meter[0], meter[2]
         return self
 
     def __enter__(self) -> Stats:
@@ -76,32 +116,6 @@ class Stats:
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-    def count(self, unit: str, kind: str, nbytes: int) -> None:
-        """One collective of `kind` ("gather", "reduce_scatter", "all_reduce") by `unit`, sending `nbytes`."""
-        setattr(self, kind + "s", getattr(self, kind + "s") + 1)
-        setattr(self, kind + "_bytes", getattr(self, kind + "_bytes") + nbytes)
-        self.per_unit[unit][kind + "s"] += 1
-
-    def waited(self, seconds: float) -> None:
-        """The host was blocked on communication for `seconds`."""
-        self.wait_s += seconds
-
-    def finished_step(self) -> None:
-        """A backward pass finished."""
-        self.steps += 1
-
-    def skipped_step(self) -> None:
-        """The step's gradients were dropped for being non-finite."""
-        self.skipped_steps += 1
-
-    def full_params(self, delta: int) -> None:
-        self.full_param_bytes += delta
-        self.peak_full_param_bytes = max(self.peak_full_param_bytes, self.full_param_bytes)
-
-    def full_grads(self, delta: int) -> None:
-        self.full_grad_bytes += delta
-        self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, self.full_grad_bytes)
 
     def per_step(self) -> dict[str, float]:
         """Counters divided by the finished backward passes (peaks as they are)."""

@@ -27,6 +27,7 @@ big it is (Note [named hangs]). Pure functions over ints and tensors.
 from __future__ import annotations
 
 import functools
+import weakref
 import zlib
 
 import torch
@@ -77,3 +78,34 @@ def first_mismatch(received: torch.Tensor, expected: torch.Tensor) -> tuple[int,
         if words != want:
             return peer, read_header(words)
     return None
+
+
+UNITS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # every live unit by its id
+
+
+def next_uid(after: int = -1) -> int:
+    """An id above every live unit's (and `after`): what this rank proposes for a new unit
+    (check_ranks_agree takes the largest any rank proposes)."""
+    return max([after, *UNITS.keys()]) + 1
+
+
+def described(uid: int, whole_model: bool = False) -> str:
+    """The live unit of id `uid` in words, for messages: "unit 'h.1' of model 12 (GPT)" (the
+    model alone: "model 12 (GPT)")."""
+    unit = UNITS.get(uid)
+    if unit is None:
+        return f"the {'model' if whole_model else 'unit'} of id {uid}, which this rank does not have"
+    return unit.model if whole_model else unit.described
+
+
+def sent_by(header: tuple[int, int, int] | None) -> str:
+    """What a peer's rows were, by their header, in words."""
+    uid, kind, nbytes = header or (-1, -1, 0)
+    if not 0 <= kind < len(KINDS):
+        return "rows that are no fullshard collective's"
+    return f"the {KINDS[kind]} of {described(uid)} ({nbytes} bytes from each rank)"
+
+
+def unit_of(param) -> object | None:
+    """The live unit that manages `param` (a sharded parameter), if any (a scan: for checks, not steps)."""
+    return next((unit for unit in list(UNITS.values()) if any(p.sharded is param for p in unit.params)), None)

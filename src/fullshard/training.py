@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fullshard import runtime
 from fullshard.collectives import all_reduce_
+from fullshard.gather import gather_masters
 from fullshard.errors import collective_failed, fail, require
 from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.hooks import Phase, hooks_for, ordinary_tensors, unit_hooks, units_of
@@ -22,7 +23,8 @@ from fullshard.mesh import counted_copy, replica_dims
 from fullshard.param import local_values
 from fullshard.stats import Stats
 from fullshard.runtime import CollectiveError
-from fullshard.unit import ShardState, Unit, unit_of
+from fullshard.tags import unit_of
+from fullshard.unit import ShardState, Unit
 
 
 def stats(model: nn.Module) -> Stats:
@@ -180,7 +182,7 @@ def full_params(
         for unit in units:
             unit.adopt_replaced()  # parameters assigned since the last step are what it shows
         for unit in units:  # one unit at a time, so offloading bounds device memory
-            fulls = unit.gather_masters()
+            fulls = gather_masters(unit)
             if visible:
                 fulls = [nn.Parameter(p.on_tp_mesh(full.cpu() if offload_to_cpu else full),
                                       requires_grad=p.sharded.requires_grad) for p, full in zip(unit.params, fulls)]

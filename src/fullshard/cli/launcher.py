@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import TextIO
 
 from fullshard.errors import FullShardError
-from fullshard.files import Folder
+from fullshard.checkpoint.files import Folder
 
 LAUNCHER_PID = "FULLSHARD_LAUNCHER_PID"  # set for the ranks: whom they must die with
 STORE_FILE = "FULLSHARD_STORE_FILE"  # set for the ranks: the FileStore they meet in (Note [local launch])

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from fullshard.errors import FullShardError
-from fullshard.files import Folder
+from fullshard.checkpoint.files import Folder
 
 METRICS, PLOT = "metrics.jsonl", "loss.png"
 MAX_METRICS = 1 << 30

@@ -98,12 +98,21 @@ class Tracking(TorchDispatchMode):
             model.host_syncs += 1
             model.sync_sites[f"{func.__name__} at {caller_site()}"] += 1
         out = func(*args, **kwargs)
-        if model.copying or not model.host_storages:  # the common case, kept cheap
+        if model.copying:
             return out
+        kernel = func.namespace not in ("c10d", "_c10d_functional") and not func.is_view
+        if model.host_storages:  # what is computed from host memory is in host memory
+            self.carry_host(func, args, kwargs, out)
+        if kernel:
+            model.kernel(func, args, kwargs, out)
+        return out
+
+    def carry_host(self, func, args: tuple, kwargs: dict, out) -> None:
+        model = self.model
         inputs = [local_values(t) for t in tensors_in(args, kwargs)]
         host = [model.is_host(t) for t in inputs]
         if not any(host):
-            return out
+            return
         if func.namespace in ("c10d", "_c10d_functional"):
             model.violations.append(f"collective {func.__name__} at {caller_site()} on host memory: NCCL reads and "
                                     f"writes device memory only")
@@ -113,7 +122,6 @@ class Tracking(TorchDispatchMode):
         known = {t.untyped_storage()._cdata for t in inputs}
         model.mark_host(*[t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
                           and local_values(t).untyped_storage()._cdata not in known])
-        return out
 
 
 def caller_site() -> str:
@@ -211,15 +219,19 @@ class StreamModel:
 
     # ---- collectives -----------------------------------------------------------------------
 
-    def route(self, group: object, device: torch.device, nbytes: int) -> str:
-        return "native" if self.native else "p2p"  # a model of GPU memory, where gloo goes point-to-point
+    def backend(self, group: object) -> str:
+        return "nccl" if self.native else "gloo"  # a model of GPU memory: NCCL's collectives, or gloo's on it
 
-    def checks_headers(self, group: object) -> bool:
-        return False  # a model of GPU memory and NCCL, whose collectives carry no headers
+    def host_memory(self, device: torch.device) -> bool:
+        return False  # the model pretends to be a GPU (memory the code puts in host memory is marked so)
 
     def wait_host_works(self, works: list, *, timeout: timedelta, what: str) -> None:
-        for work in works:  # gloo's headers in host memory (Note [named hangs]): no stream involved
-            work.wait(timeout)
+        self.copying = True
+        try:
+            for work in works:  # gloo's headers in host memory (Note [named hangs]): no stream involved
+                work.wait(timeout)
+        finally:
+            self.copying = False
 
     def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
         issuer = self.stack[-1]
@@ -239,7 +251,11 @@ class StreamModel:
     def wait_works(self, works: list, *, timeout: timedelta, what: str, on_device: bool) -> None:
         waiter = self.stack[-1]
         for work in works:
-            work.work.wait(timeout)  # gloo really runs them; the model only orders the streams
+            self.copying = True  # what gloo copies inside wait() is the collective's own work
+            try:
+                work.work.wait(timeout)  # gloo really runs them; the model only orders the streams
+            finally:
+                self.copying = False
             waiter.join(work.seen)
 
     # ---- buffers ---------------------------------------------------------------------------
@@ -268,6 +284,31 @@ class StreamModel:
             on.clock += 1
             buffer.last[(on, kind)] = (on.clock, where)
 
+    def kernel(self, func, args: tuple, kwargs: dict, out) -> None:
+        """An operation on the current stream (Tracking sees every one): it reads its tensor
+        arguments, writes those its schema says it mutates, and allocates, then writes, what
+        it returns in new memory. So no code of fullshard's needs to say what its kernels touch."""
+        read, written = [], []
+        for argument, value in zip(func._schema.arguments, [*args, *(kwargs.get(a.name) for a in
+                                                                      func._schema.arguments[len(args):])]):
+            tensors = [value] if isinstance(value, torch.Tensor) else \
+                [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
+            alias = argument.alias_info
+            (written if alias is not None and alias.is_write else read).extend(tensors)
+        known = {local_values(t).untyped_storage()._cdata for t in (*read, *written)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and local_values(t).untyped_storage()._cdata not in known:
+                self.allocated(t)
+        stream = self.stack[-1]
+        copy = func is torch.ops.aten.copy_.default  # between host and device memory: on the stream (a copy engine)
+        self.access(stream, [t for t in read if t.numel()], "read", copy=copy)
+        self.access(stream, [t for t in written if t.numel()], "write", copy=copy)
+        blocking = copy and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        if blocking and self.buffer(args[0]).host and not self.buffer(args[1]).host:  # the host waits for it
+            self.host_syncs += 1
+            self.sync_sites[f"a blocking copy to host memory at {caller_site()}"] += 1
+            self.host.join({**stream.seen, stream: stream.clock})
+
     def reads(self, *tensors: torch.Tensor) -> None:
         self.access(self.stack[-1], list(tensors), "read")
 
@@ -275,9 +316,12 @@ class StreamModel:
         self.access(self.stack[-1], list(tensors), "write")
 
     def allocated(self, tensor: torch.Tensor) -> None:
+        """New memory for `tensor` on the current stream: a write there, at its clock (whatever
+        another stream does with it must be ordered after)."""
         buffer = self.buffer(tensor)
-        buffer.allocated_on = self.stack[-1]
+        buffer.allocated_on = self.host if buffer.host else self.stack[-1]
         buffer.last.clear()
+        self.access(self.stack[-1], [tensor], "write")
 
     def freed(self, tensor: torch.Tensor) -> None:
         buffer = self.buffer(tensor)
@@ -293,7 +337,10 @@ class StreamModel:
     def mark_host(self, *tensors: torch.Tensor) -> None:
         """These tensors live in host memory (a model built on the CPU, offloaded shards)."""
         for tensor in tensors:
-            self.buffer(tensor).host = True
+            buffer = self.buffer(tensor)
+            if not buffer.host:  # what was done to it so far was done in host memory, by the host
+                buffer.host, buffer.allocated_on = True, self.host
+                buffer.last = {(self.host, kind): (self.host.clock, where) for (_, kind), (_, where) in buffer.last.items()}
             self.host_storages.add(local_values(tensor).untyped_storage()._cdata)
 
     def is_host(self, tensor: torch.Tensor) -> bool:

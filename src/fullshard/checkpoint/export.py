@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.checkpoint import agree, os_problem
-from fullshard.files import Folder
+from fullshard.checkpoint.store import agree, os_problem
+from fullshard.checkpoint.files import Folder
+from fullshard.gather import gather_whole
 from fullshard.hooks import normal_tensors, units_of
 from fullshard.param import ShardedParam
 from fullshard.state_dict import check_path, reshard_all, state_entries, value_of
@@ -69,7 +70,7 @@ def export(model: nn.Module, path: str | os.PathLike) -> None:
         error = f"export to {path} could not write ({os_problem(e)})"
     try:
         for unit in units:  # every rank gathers, whether or not rank 0 can still write
-            for p, tensor in unit.gather_whole():
+            for p, tensor in gather_whole(unit):
                 if out is not None and error is None:
                     try:
                         for _ in names_of[id(p)]:

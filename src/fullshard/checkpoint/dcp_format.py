@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from fullshard.files import View, name
-from fullshard.manifest import (DEADLINE_EVERY, LOADABLE, MAX_INT, Chunk, Contents, Layout, SavedTensor, SavedValue,
+from fullshard.checkpoint.files import View, name
+from fullshard.state_dict import LOADABLE
+from fullshard.checkpoint.manifest import (DEADLINE_EVERY, MAX_INT, Chunk, Contents, Layout, SavedTensor, SavedValue,
                                 check_deadline, coverage_problem, gc_paused, layout_problem, overlap_problem)
-from fullshard.pickle_data import Budget, Call, Dict, Global, Object, Persistent, PickleDataError, parse, plain
+from fullshard.checkpoint.pickle_data import Budget, Call, Dict, Global, Object, Persistent, PickleDataError, parse, plain
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 STORAGE_INFO = Global("torch.distributed.checkpoint.filesystem", "_StorageInfo")

@@ -6,7 +6,7 @@ host buffers, then the checkpoint written by a thread of its own (Note [backgrou
 # "stage" stream that waits for the compute stream (so they read what the last step
 # wrote), and the compute stream waits for them in turn (so the next step's optimizer
 # cannot overwrite a shard being copied); the thread waits for their event before it
-# reads a buffer. The thread then runs every phase of a blocking save (checkpoint.py:
+# reads a buffer. The thread then runs every phase of a blocking save (store.py:
 # write this rank's records, agree, rank 0 commits and switches LATEST, agree) on the
 # checkpoints' gloo group, which training never uses and which no save or load uses
 # meanwhile (each waits for the save in flight first). LATEST switches

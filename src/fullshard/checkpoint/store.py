@@ -48,15 +48,15 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fullshard import background, dcp_format, manifest
-from fullshard.background import SaveHandle
+from fullshard.checkpoint import background, dcp_format, manifest
+from fullshard.checkpoint.background import SaveHandle
 from fullshard.collectives import all_gather_json
 from fullshard.errors import EveryRankError, FullShardError, fail, require
-from fullshard.files import Folder, View, Writer
+from fullshard.checkpoint.files import Folder, View, Writer
 from fullshard.hooks import normal_tensors, units_of
-from fullshard.manifest import LOADABLE, MAX_INT, Chunk, Contents, SavedTensor, dtype_problem
+from fullshard.checkpoint.manifest import MAX_INT, Chunk, Contents, SavedTensor
 from fullshard.mesh import timed_group
-from fullshard.state_dict import (check_names_and_shapes, check_optimizer, check_path, get_state_dict,
+from fullshard.state_dict import (LOADABLE, check_names_and_shapes, dtype_problem, check_optimizer, check_path, get_state_dict,
                                   hyperparameter_problems, load_model_state, load_optimizer_state, new_like,
                                   optimizer_state_problems, optimizer_template, param_names, reshard_all,
                                   state_entries, value_of)

@@ -15,16 +15,7 @@ closed schema that writes them down.
 # Every check is linear, or a sort, in the size of the manifest, and runs under the load's
 # deadline. DCP's own .metadata is written beside it for torch.distributed.checkpoint's
 # readers; fullshard never reads it back for its own checkpoints.
-#
-# Note [loaded dtypes]: a dtype a file names is one of LOADABLE (the plain numeric dtypes and
-# float8; not the quantized, sub-byte or bit dtypes, which torch cannot copy, or not without
-# crashing), and it must be the dtype of what the value lands in: the model's tensor, or the
-# optimizer state the optimizer holds. Where the optimizer holds none yet, it is what torch's
-# Optimizer.load_state_dict makes of it: a state value of a floating-point parameter is cast to
-# the parameter's dtype, so it must be floating-point; "step" stays as it is, so it must be a
-# real number type. Floating-point values may land in another floating-point dtype of
-# FLOAT_CASTS (a bf16 checkpoint into fp32 masters); nothing else is cast, so no value is ever
-# read as another type's bytes.
+
 """
 
 from __future__ import annotations
@@ -41,27 +32,15 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from fullshard.errors import fail
-from fullshard.files import Overdue, name
+from fullshard.state_dict import LOADABLE, dtype_name
+from fullshard.checkpoint.files import Overdue, name
 
 FORMAT = 2
 MAX_DIMS = 16
 MAX_INT = 2**62  # sizes, offsets and steps beyond this are not a real checkpoint's
-LOADABLE = {name_: getattr(torch, name_) for name_ in (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16", "float32",
-    "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    "float8_e8m0fnu") if isinstance(getattr(torch, name_, None), torch.dtype)}  # Note [loaded dtypes]
-FLOAT_CASTS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-REAL = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *FLOAT_CASTS})
 CHUNK_FIELDS = frozenset({"offsets", "sizes", "file", "start", "length", "data_offset", "storage_numel",
                           "storage_offset", "stride"})
 DEADLINE_EVERY = 4096  # chunks checked between looks at the clock
-
-
-def dtype_problem(saved: torch.dtype, target: torch.dtype) -> str | None:
-    """Why a value saved as `saved` cannot land in a tensor of `target` (Note [loaded dtypes])."""
-    if saved == target or saved in FLOAT_CASTS and target in FLOAT_CASTS:
-        return None
-    return f"saved as {dtype_name(saved)}, lands in {dtype_name(target)}"
 
 
 class Layout(NamedTuple):
@@ -123,10 +102,6 @@ class Contents:
         for file, end in records:
             out[file] = max(out.get(file, 0), end)
         return out
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def to_json(contents: Contents) -> str:

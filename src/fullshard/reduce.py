@@ -1,0 +1,561 @@
+"""ReducePlan: a unit's gradient reduction for one reduce dtype, made with its layout (and again
+when the trainable parameters or FSDP2's reduction switches change): the rows, their format
+on the wire, the route, the averaging and the all-reduce across replicas; and the landing
+of the reduced row on the shards' gradients. Unit asks it to issue and to finish.
+
+A row format is a class with Exact's methods (low_precision.py: rows sent in bf16 or int8
+blocks, summed in float32 where they arrive), chosen by the unit's options (`row_format`).
+
+# Note [averaging]: gradients are averaged over the dp_size data-parallel ranks (divided by
+# a unit's set_gradient_divide_factor instead, when set). fp16 rows are divided before the
+# sum, whose fp16 range would overflow sooner. Otherwise NCCL averages inside the
+# collectives (ReduceOp.AVG, no extra kernel or pass over the row); elsewhere the sum is
+# divided afterwards. Each rank's rows are added in rank order. Where rows arrive to be
+# summed (gloo's routes, a row format that sums in float32), bf16/fp16 rows are added in a
+# float32 scratch row and divided there, so the row is rounded to the reduce dtype once.
+# The all-reduce across replicas (hybrid, no_shard) and NCCL's reduce-scatter sum in the
+# reduce dtype inside the backend.
+#
+# Note [landing]: a reduced row becomes the shards' gradients on the compute stream as soon
+# as it is waited for, unless the host must see it first: with CPU offload (the row is copied
+# to pinned host memory without waiting) or when some rank had no gradient for one of the
+# unit's parameters (the has-gradient flags decide which gradients stay None). Those rows
+# wait in the unit's queue until the end of backward, when the host waits once for all of
+# them (Note [host syncs]) and they land.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from fullshard import runtime
+from fullshard.checks import check_next_collective
+from fullshard.collectives import HEADERS, all_gather_ints, redistribute
+from fullshard.mesh import ShardGroup
+from fullshard.param import ShardedParam, local_values
+from fullshard.routes import BufferPool, Flight, all_reduce, check_headers, route_for
+from fullshard.runtime import CollectiveError, labelled
+from fullshard.tags import described, header
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How a reduction over `summed_over` ranks becomes the gradient divided by the divisor
+    (dp_size, or set_gradient_divide_factor's), Note [averaging]."""
+
+    divide_first: bool  # divide the rows by the divisor before the sum
+    op: dist.ReduceOp  # of the collectives
+    divide_after: float  # what the result is still to be divided by
+
+
+def averaging(backend: str, dtype: torch.dtype, *, dp_size: int, summed_over: int, divide_by: float,
+              force_sum: bool = False) -> Averaging:
+    """Note [averaging] for a reduction over `summed_over` of the `dp_size` data-parallel ranks,
+    divided by `divide_by` (dp_size, or a factor set_gradient_divide_factor gave); `force_sum`:
+    sums only, never the backend's average (set_force_sum_reduction_for_comms)."""
+    if dtype == torch.float16 and divide_by != 1:
+        return Averaging(True, dist.ReduceOp.SUM, 1)
+    if backend == "nccl" and not force_sum and summed_over > 1 and divide_by == dp_size:  # gloo has no AVG
+        return Averaging(False, dist.ReduceOp.AVG, dp_size // summed_over)
+    return Averaging(False, dist.ReduceOp.SUM, divide_by)
+
+
+class Exact:
+    """Rows sent in the reduce dtype, as they are (Note [averaging])."""
+
+    native = True  # the backend's own reduce-scatter may sum them
+
+    def __init__(self, dtype: torch.dtype, numel: int) -> None:
+        self.dtype, self.wire_dtype, self.wire_numel = dtype, dtype, numel
+
+    def pack_into(self, payload: torch.Tensor, pool: BufferPool) -> torch.Tensor:
+        """Where the rows ([world, numel] of the reduce dtype) are packed: the send buffer's payload itself."""
+        return payload
+
+    def encode(self, rows: torch.Tensor, payload: torch.Tensor, pool: BufferPool) -> None:
+        """Write the packed rows into the send buffer's payload as they go on the wire."""
+
+    def add(self, total: torch.Tensor, row: torch.Tensor) -> None:
+        """Add a peer's row as received to the running sum `total` ([numel])."""
+        total.add_(row)
+
+
+@dataclass
+class Reducing:
+    """A reduction in flight: its route's flight, the row it makes, and what is known of it."""
+
+    flight: Flight
+    shard: torch.Tensor  # [row_numel]: this rank's row, of the reduce dtype
+    rows: torch.Tensor | None  # the packed rows, when the format encodes them elsewhere
+    all_here: bool  # every parameter had a gradient on this rank
+    replicated: bool  # the all-reduce across replicas is owed (issued at once, or once the row is summed)
+    divide_after: float
+    all_reduce_works: list | None = None
+    traffic: list[tuple[str, int]] = field(default_factory=list)  # (collective, bytes this rank sent)
+
+
+# (applies, row format class), the last registered first: what register_row_format adds
+ROW_FORMATS: list[tuple] = []
+
+
+def register_row_format(applies, cls: type) -> None:
+    """Send the rows of units whose options satisfy `applies(options)` as `cls(dtype, numel,
+    options)` says (Exact's methods)."""
+    ROW_FORMATS.insert(0, (applies, cls))
+
+
+class ReducePlan:
+    """The reduction of the gradients of `params` (trainable, of one reduce dtype) over the
+    unit's groups: made once for them and the unit's switches."""
+
+    def __init__(self, params: list[ShardedParam], dtype: torch.dtype, group: ShardGroup, device: torch.device,
+                 uid: int, *, divide_by: float, force_sum: bool, options) -> None:
+        self.params, self.dtype, self.group, self.device = params, dtype, group, device
+        self.numels = [p.shard_numel for p in params]
+        self.row_numel = sum(self.numels) + len(params)  # [grad_shard_numel + n_flags]: a has-gradient flag each
+        cls = next((cls for applies, cls in ROW_FORMATS if applies(options)), None)
+        self.format = cls(dtype, self.row_numel, options) if cls is not None else Exact(dtype, self.row_numel)
+        shard_pg, replicate_pg = group.shard_pg, group.replicate_pg
+        self.route = route_for(shard_pg, device, self.format.wire_numel, self.format.wire_dtype, uid=uid, kind=1,
+                               native=self.format.native)
+        self.sums_here = self.route.name != "native" and shard_pg is not None  # rows arrive to be summed here
+        backend = "gloo" if shard_pg is None and replicate_pg is None or self.sums_here else \
+            dist.get_backend(shard_pg or replicate_pg)  # the backend's own: only NCCL averages
+        summed_over = group.world * (replicate_pg.size() if replicate_pg is not None else 1)
+        self.averaging = averaging(backend, dtype, dp_size=group.dp_size, summed_over=summed_over,
+                                   divide_by=divide_by, force_sum=force_sum)
+        self.divide_by = divide_by
+        self.replicate_pg = replicate_pg
+        self.on_device = not runtime.active.host_memory(device)
+        self.replicate_header = header(uid, 2, self.row_numel * dtype.itemsize) if checks_replicas(
+            replicate_pg, device) else None  # Note [named hangs]
+        self.grad_specs = [(p, p.spec_for(p.sharded.dtype)) for p in params]  # the sharded gradients' DTensors
+
+    def issue(self, grads: list[torch.Tensor | None], pool: BufferPool, replicate: bool, what: str,
+              timeout: timedelta) -> Reducing:
+        """Start summing the full gradients' rows over the shard group into this rank's row,
+        then (`replicate`) all-reducing it across replicas."""
+        rt = runtime.active
+        route, how = self.route, self.averaging
+        world, rank = route.world, route.rank
+        shard = torch.empty(self.row_numel, dtype=self.dtype, device=self.device)  # [row_numel]
+        all_here = True  # then every reduced flag is set
+        for g in grads:  # a loop, not all(): per reduction, kept free of calls
+            all_here = all_here and g is not None
+        compute, stream = rt.current_stream(self.device), rt.side_stream(self.device, "reduce")
+        rows, sent = None, None
+        if self.group.shard_pg is None:
+            pack_rows(grads, self.numels, shard.view(1, -1))  # the only row is the result
+        else:
+            sent, payload = route.send_buffer(pool, world)
+            rows = self.format.pack_into(payload, pool)  # [world, row_numel]
+            pack_rows(grads, self.numels, rows)
+            if self.sums_here:  # own row straight into the result, Note [collective choice]
+                shard.copy_(rows[rank])
+        if how.divide_first:
+            for divided in (rows, shard if self.sums_here or self.group.shard_pg is None else None):
+                if divided is not None:
+                    divided.div_(self.divide_by)
+        rt.wait_stream(stream, compute)  # Note [streams]: the rows were packed on the compute stream
+        with rt.use(stream):
+            if sent is None:
+                flight = route.reduce(shard.view(1, -1), shard, how.op, pool, what, timeout)
+            else:
+                self.format.encode(rows, payload, pool)
+                flight = route.reduce(sent, shard, how.op, pool, what, timeout)
+        reducing = Reducing(flight, shard, rows if rows is not None and rows is not payload else None, all_here,
+                            replicate and self.replicate_pg is not None, how.divide_after)
+        if self.group.shard_pg is not None:
+            reducing.traffic.append(("reduce_scatter", (world - 1) * self.format.wire_numel
+                                     * self.format.wire_dtype.itemsize))
+        if reducing.replicated and not self.sums_here:  # at once, on its own stream, behind the reduce-scatter
+            with rt.use(stream):
+                route.finish(flight)
+            flight.works = []
+            self.start_all_reduce(reducing)
+        return reducing
+
+    def start_all_reduce(self, reducing: Reducing) -> None:
+        """Issue the all-reduce of the row across replicas on the all-reduce stream, after the
+        reduce stream (on gloo, once every replica's header says it reduces the same row:
+        Note [named hangs])."""
+        rt = runtime.active
+        shard, group, flight = reducing.shard, self.replicate_pg, reducing.flight
+        if self.replicate_header is not None:
+            check_replicas(group, self.replicate_header, flight.timeout)
+        stream = rt.side_stream(self.device, "all_reduce")
+        rt.wait_stream(stream, rt.side_stream(self.device, "reduce"))
+        with rt.use(stream):
+            reducing.all_reduce_works = all_reduce(shard, self.averaging.op, group)
+        reducing.traffic.append(("all_reduce", all_reduce_bytes(shard.numel(), shard.element_size(), group.size())))
+
+    def finish(self, reducing: Reducing, pool: BufferPool) -> torch.Tensor:
+        """Wait for the reduction; return this rank's row averaged over the data-parallel ranks,
+        ready for the compute stream. Raises the route's CollectiveError."""
+        rt = runtime.active
+        shard, flight = reducing.shard, reducing.flight
+        stream = rt.side_stream(self.device, "reduce")
+        with rt.use(stream):
+            if flight.works or flight.header_works:
+                before, after = self.route.finish(flight)
+                if self.sums_here:  # own row first, then the peers' in rank order, Note [averaging]
+                    total = shard
+                    if shard.dtype in LOW_PRECISION or not self.format.native:  # round once
+                        total = pool.take((shard.numel(),), torch.float32, self.device)  # [row_numel]
+                        total.copy_(reducing.rows[self.route.rank] if reducing.rows is not None else shard)
+                    for row in (*before, *after):
+                        self.format.add(total, row)
+                    if total is not shard:
+                        shard.copy_(total.div_(reducing.divide_after))
+                        reducing.divide_after = 1
+                        pool.give(total)
+        if reducing.replicated and reducing.all_reduce_works is None:  # gloo: now the row is summed
+            self.start_all_reduce(reducing)
+        last = rt.side_stream(self.device, "all_reduce") if reducing.all_reduce_works else stream
+        with rt.use(last):
+            if reducing.all_reduce_works:
+                rt.wait_works(reducing.all_reduce_works, timeout=flight.timeout, what=flight.what,
+                              on_device=self.on_device)
+            if reducing.divide_after != 1:
+                shard.div_(reducing.divide_after)
+        rt.wait_stream(rt.current_stream(self.device), last)
+        self.route.give(flight, pool)
+        if reducing.rows is not None:
+            pool.give(reducing.rows)
+        return shard
+
+    def land(self, row: torch.Tensor, flags: list) -> None:
+        """Add each parameter's part of a reduced row to its shard's gradient (where a flag says
+        any rank had one), then run the shard's post-accumulate-grad hooks."""
+        offset = 0
+        for (p, spec), flag, numel in zip(self.grad_specs, flags, self.numels):
+            if flag:
+                local = row[offset : offset + p.local_shape.numel()].view(p.local_shape)
+                accumulate(p, spec, local)
+            offset += numel
+        for p, flag in zip(self.params, flags):
+            if flag:
+                for hook in list((p.sharded._post_accumulate_grad_hooks or {}).values()):
+                    hook(p.sharded)  # e.g. an optimizer step inside backward, on the shard and its gradient
+
+
+class Reductions:
+    """A unit's gradient side: its reduce plans (one set per set of trainable parameters), the
+    reductions in flight, the rows waiting to land (Note [landing]), the all-reduce owed across
+    replicas, whether every reduced gradient was finite, and the full gradient bytes on the
+    memory meter. It reads the unit's parameters, options and switches as they are now."""
+
+    def __init__(self, unit) -> None:
+        self.unit = unit  # a Unit (unit.py, the layer above)
+        self.plans: dict[tuple[bool, ...], list[ReducePlan]] = {}
+        self.in_flight: list[tuple[ReducePlan, Reducing]] = []  # one per reduce dtype
+        self.unlanded: list[tuple[ReducePlan, torch.Tensor, torch.Tensor]] = []  # Note [landing]
+        self.finite: torch.Tensor | None = None  # 0-d bool on the device: every reduced gradient so far was finite
+        self.owes_all_reduce = False  # reduced within the group only (all_reduce_grads off)
+        self.reduced = False  # a reduction finished in this backward (the root settles the all-reduce once)
+        self.counted_grad_bytes = 0  # full gradient bytes already on the meter
+
+    def reset(self) -> None:
+        """Drop the backward in flight (it raised): nothing pending, no full gradient."""
+        self.finish()
+        self.unlanded.clear()
+        self.finite = None
+        self.reduced = False
+        for p in self.unit.params:
+            p.drop_full_grad()
+        self.count_full_grads(0)
+
+    def clear_finite(self) -> None:
+        """The non-finite flag was read (the root's settle_nonfinite)."""
+        self.finite = None
+
+    def count_full_grads(self, held: int | None = None) -> None:
+        """Bring the meter's full gradient bytes up to what this unit holds now (`held` when the caller knows)."""
+        if held is None:
+            held = full_grad_bytes(self.unit.params)
+        self.unit.metered(2, held - self.counted_grad_bytes)
+        self.counted_grad_bytes = held
+
+    def has_full_grads(self) -> bool:
+        for p in self.unit.params:  # a loop, not any(): once per unit per backward, kept free of calls
+            if p.unsharded.grad is not None or p.accumulated is not None:
+                return True
+        return False
+
+    def hold(self) -> None:
+        """A backward without gradient sync: the full gradients keep accumulating, in the reduce dtype."""
+        for p, dtype in zip(self.unit.params, self.unit.layout.reduce_dtypes):
+            hold_grad(p, dtype)
+        self.count_full_grads()
+
+    def plans_for(self, trainable: tuple[bool, ...]) -> list[ReducePlan]:
+        """The reduce plans of these trainable parameters: one per reduce dtype (Note [bytes on the wire])."""
+        plans = self.plans.get(trainable)
+        if plans is None:
+            layout, switches = self.unit.layout, self.unit.switches
+            params = [(p, dtype) for p, dtype, on in zip(self.unit.params, layout.reduce_dtypes, trainable) if on]
+            one = len(layout.reduce_groups) == 1
+            plans = self.plans[trainable] = [
+                ReducePlan([p for p, d in params if one or d == dtype], dtype, self.unit.group, self.unit.compute_device,
+                           self.unit.uid, divide_by=switches.divide_factor or self.unit.group.dp_size,
+                           force_sum=switches.force_sum, options=self.unit.options)
+                for dtype in layout.reduce_groups if any(one or d == dtype for _, d in params)]
+        return plans
+
+    def issue(self) -> None:
+        """Start averaging the full gradients over the data-parallel ranks (`finish` lands them)."""
+        self.finish()  # a unit reduced twice in one backward (used twice in forward)
+        trainable = tuple([p.sharded.requires_grad for p in self.unit.params])
+        if True not in trainable:
+            return
+        self.count_full_grads()
+        full_grads = {p: take_full_grad(p) for p, on in zip(self.unit.params, trainable) if on}
+        unit = self.unit
+        if unit.switches.debug:  # every rank about to reduce this unit, with gradients for the same parameters
+            mask = sum(1 << i for i, g in enumerate(full_grads.values()) if g is not None) % (1 << 62)
+            check_next_collective(unit, [unit.uid, 1, unit.step, mask, unit.evaluating], described)
+        replicate = self.unit.switches.all_reduce_grads and not self.owes_all_reduce
+        for plan in self.plans_for(trainable):
+            with labelled(f"fullshard::reduce_scatter {self.unit.fqn}"):
+                try:  # no_shard on gloo: its all-reduce checks the replicas' headers at once
+                    reducing = plan.issue([full_grads.pop(p) for p in plan.params], self.unit.pool, replicate,
+                                          self.unit.what("reduce-scatter"), self.unit.timeout)
+                except CollectiveError as e:
+                    raise self.unit.failed("reduce-scatter", e) from None
+            self.in_flight.append((plan, reducing))
+        self.count_full_grads(full_grad_bytes(self.unit.params, frozen_only=True))
+
+    def finish(self) -> None:
+        """Wait for the reductions in flight and land them on the shards' gradients, or queue them
+        for the end of backward (Note [landing]). A parameter no rank computed a gradient for
+        keeps the gradient it had."""
+        taken, self.in_flight = self.in_flight, []
+        for plan, reducing in taken:
+            self.land_reduced(plan, reducing)
+
+    def land_reduced(self, plan: ReducePlan, reducing: Reducing) -> None:
+        """`finish` for one reduce plan's row."""
+        start = time.perf_counter()
+        with labelled(f"fullshard::wait reduce {self.unit.fqn}"):
+            try:
+                row = plan.finish(reducing, self.unit.pool)  # [grad_shard_numel + n_flags], on the compute stream
+            except CollectiveError as e:
+                raise self.unit.failed("reduce-scatter", e) from None
+        counts = self.unit.counts
+        counts["wait_s"] += time.perf_counter() - start
+        flags_at = row.numel() - len(plan.params)
+        if self.unit.switches.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
+            self.unit.switches.all_reduce_hook(row[:flags_at])
+        if self.unit.switches.nonfinite is not None:  # on the device: the root reads every unit's at once
+            finite = torch.isfinite(row).all()
+            self.finite = finite if self.finite is None else self.finite & finite
+        for kind, nbytes in reducing.traffic:
+            counts[kind + "s"] += 1
+            counts[kind + "_bytes"] += nbytes
+        self.reduced = True
+        if self.unit.group.replicate_pg is not None and not self.unit.switches.all_reduce_grads:
+            self.owes_all_reduce = True
+        rt = runtime.active
+        if self.unit.options.offload:
+            masters = {p.sharded.dtype for p in plan.params}  # land on the host in the masters' dtype if one
+            row = row.to(*masters) if len(masters) == 1 and row.dtype not in masters else row
+            host = rt.to_host(row, pin=self.unit.options.pin_memory)  # [grad_shard_numel + n_flags]
+            self.unlanded.append((plan, host[flags_at:], host))
+        elif not reducing.all_here:
+            self.unlanded.append((plan, rt.to_host(row[flags_at:], pin=True), row))
+        else:
+            plan.land(row, [True] * len(plan.params))
+
+    def land_queued(self) -> None:
+        """Land the rows queued in `unlanded`, once the host has waited for the GPU (Note [landing])."""
+        for plan, flags, row in self.unlanded:
+            plan.land(row, runtime.active.read_on_host(flags, timeout=self.unit.timeout,
+                                                       what=self.unit.what("reduce-scatter's has-gradient flags")))
+        self.unlanded.clear()
+
+    def settle_all_reduce(self) -> bool:
+        """With the all-reduce across replicas off, owe it; once back on, pay it on the
+        gradients accumulated since (all of them in one all-reduce). Runs at the end of a
+        backward that reduced, after landing, in unit order on every rank. Returns whether
+        it copied gradients back to host memory (CPU offload): the host must wait for them
+        (the root waits once for every unit, Note [host syncs])."""
+        reduced, self.reduced = self.reduced, False
+        if not (reduced and self.owes_all_reduce and self.unit.switches.all_reduce_grads):
+            return False
+        self.owes_all_reduce = False
+        collective = "all-reduce across replicas"
+        try:
+            nbytes, back = owed_all_reduce([p for p in self.unit.params if p.sharded.requires_grad], self.unit.group,
+                                           self.unit.compute_device, self.unit.uid, self.unit.what(collective), self.unit.timeout)
+        except CollectiveError as e:
+            raise self.unit.failed(collective, e) from None
+        self.unit.counts["all_reduces"] += 1
+        self.unit.counts["all_reduce_bytes"] += nbytes
+        return back
+
+
+def owed_all_reduce(params: list[ShardedParam], group: ShardGroup, device: torch.device, uid: int, what: str,
+                    timeout: timedelta) -> tuple[int, bool]:
+    """Sum the sharded gradients of `params` over the replicas (the all-reduce owed since
+    set_requires_all_reduce(False)): one all-reduce per master dtype, in device memory (NCCL
+    reads nothing else). Returns the bytes this rank sent and whether gradients were copied
+    back to host memory (CPU offload: the host must wait for them)."""
+    rt = runtime.active
+    for p in params:  # every replica sends the same layout; a missing gradient is zero
+        if p.sharded.grad is None:
+            accumulate(p, p.spec_for(p.sharded.dtype), torch.zeros(p.local_shape, dtype=p.sharded.dtype,
+                                                                    device=p.local_shard().device))
+    grads = [p.local_grad() for p in params]
+    moved = [rt.to_device(g, device) for g in grads]
+    group_pg = group.replicate_pg
+    nbytes = 0
+    for dtype in dict.fromkeys(t.dtype for t in moved):
+        tensors = [t for t in moved if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
+        if checks_replicas(group_pg, device):  # Note [named hangs]
+            check_replicas(group_pg, header(uid, 2, flat.nbytes), timeout)
+        works = all_reduce(flat, dist.ReduceOp.SUM, group_pg)
+        rt.wait_works(works, timeout=timeout, what=what, on_device=not rt.host_memory(device))
+        torch.split_with_sizes_copy(flat, [t.numel() for t in tensors], out=[t.view(-1) for t in tensors])
+        nbytes += all_reduce_bytes(flat.numel(), flat.element_size(), group_pg.size())
+    back = [(grad, device_grad) for grad, device_grad in zip(grads, moved) if device_grad is not grad]
+    for grad, device_grad in back:
+        rt.copy_(grad, device_grad)
+    return nbytes, bool(back)
+
+
+def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
+    """What a rank sends in a bandwidth-optimal all-reduce over `size` ranks."""
+    return 2 * (size - 1) * numel * element_size // size
+
+
+def checks_replicas(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether an all-reduce across replicas over `group` is preceded by the headers' all-gather
+    (Note [named hangs]): on gloo in host memory, whose waits block the host anyway; not where it
+    would be a host sync (a GPU's)."""
+    rt = runtime.active
+    return group is not None and rt.backend(group) == "gloo" and rt.host_memory(device)
+
+
+def check_replicas(group: dist.ProcessGroup, expected: torch.Tensor, timeout: timedelta) -> None:
+    """Every rank of `group` is about to all-reduce the row `expected` heads (Note [named hangs]):
+    the headers, all-gathered (a fixed size, so any peer's fits) and waited for; MismatchedRows
+    otherwise."""
+    everyone = all_gather_ints(expected, device=torch.device("cpu"), timeout=timeout, group=group, what=HEADERS)
+    check_headers(torch.tensor(everyone, dtype=torch.int64), expected, list(range(len(everyone))), [])
+
+
+def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], out: torch.Tensor) -> None:
+    """Write every rank's rows of every full gradient into out[rank], followed by one
+    has-gradient flag per gradient ([world, grad_shard_numel + n_flags]).
+
+    Rows are zero where a gradient is missing or padded; the flags are 1 where this rank
+    has the gradient, so after the reduction each rank knows whether any rank had one (a
+    gradient no rank has stays None, as in plain PyTorch). A 0-d gradient is in every row.
+    The flags are written on the device, so packing never waits for the GPU. When every
+    gradient is there in the row's dtype, one fused chunk-and-concatenate kernel packs
+    them all (torch._chunk_cat pads each chunk as Note [shard layout] does).
+    """
+    world = out.size(0)
+    fused = True
+    for g in grads:  # a loop, not all(): per reduce-scatter, kept free of calls
+        fused = fused and g is not None and g.dtype == out.dtype
+    if fused:
+        parts = [g.reshape(1).expand(world) if g.dim() == 0 else g for g in grads]
+        flags = torch.ones((world, len(grads)), dtype=out.dtype, device=out.device)
+        torch._chunk_cat([*parts, flags], dim=0, num_chunks=world, out=out)
+        return
+    total = sum(shard_numels)
+    out[:, total:].fill_(1)
+    offset = 0
+    for i, (grad, numel) in enumerate(zip(grads, shard_numels)):
+        dst = out[:, offset : offset + numel]  # [world, shard_numel]
+        offset += numel
+        if grad is None:
+            dst.zero_()
+            out[:, total + i].zero_()
+        elif grad.dim() == 0:
+            dst.copy_(grad.expand(world, 1))
+        elif numel:
+            flat = grad.reshape(-1)
+            whole = min(world, flat.numel() // numel)  # ranks whose rows are all real
+            dst[:whole].copy_(flat[: whole * numel].view(whole, numel))
+            if whole < world:  # a rank with some real rows, then ranks with none
+                rest = flat.numel() - whole * numel
+                dst[whole, :rest].copy_(flat[whole * numel :])
+                dst[whole, rest:].zero_()
+                dst[whole + 1 :].zero_()
+
+
+# ---- one parameter's gradients --------------------------------------------------------------
+
+
+def take_full_grad(p: ShardedParam) -> torch.Tensor | None:
+    """The full parameter's gradient, taken: a plain tensor of the local part, rows first (a
+    strided view for Note [another dim]), added to what `hold_grad` kept. A TP gradient still
+    a partial sum over the TP ranks (a replicated weight applied to sequence-parallel
+    activations) is summed over them first (collectives.redistribute)."""
+    grad = p.unsharded.grad
+    if isinstance(grad, DTensor):
+        want = p.tp_placements  # e.g. from Partial()
+        if p.view is not None:  # the data-parallel dims as they are, Note [SPMD meshes]
+            spec, dp_dims = p.view
+            want = tuple(grad.placements[i] if i in dp_dims else q for i, q in enumerate(spec.placements))
+        if tuple(grad.placements) != want:
+            grad = redistribute(grad, want)
+        grad = grad.to_local()
+    if grad is not None and p.dim:
+        grad = grad.movedim(p.dim, 0)
+    if p.accumulated is not None:
+        if grad is not None:
+            p.accumulated.add_(grad)
+        grad, p.accumulated = p.accumulated, None
+    p.unsharded.grad = None
+    return grad
+
+
+def hold_grad(p: ShardedParam, dtype: torch.dtype) -> None:
+    """After a backward without gradient sync: keep the full gradient summed in `dtype`, the
+    reduce dtype, as the reduction would sum it; autograd would accumulate micro-batches in the
+    compute dtype (bf16 rounds each sum to 8 bits). A no-op when the two dtypes agree."""
+    grad = p.unsharded.grad
+    if grad is None or local_values(grad).dtype == dtype:
+        return
+    grad = take_full_grad(p)
+    p.accumulated = grad if grad.dtype == dtype else grad.to(dtype)
+
+
+def full_grad_bytes(params: list[ShardedParam], frozen_only: bool = False) -> int:
+    """Bytes of full gradient this rank holds for `params` (`frozen_only`: for those that take no
+    gradient); one call per unit."""
+    held = 0
+    for p in params:
+        if frozen_only and p.sharded.requires_grad:
+            continue
+        grad = p.unsharded.grad
+        if grad is not None:
+            held += (grad._local_tensor if isinstance(grad, DTensor) else grad).nbytes
+        if p.accumulated is not None:
+            held += p.accumulated.nbytes
+    return held
+
+
+def accumulate(p: ShardedParam, spec: DTensorSpec, local_grad: torch.Tensor) -> None:
+    """Add this rank's reduced rows (rows first) to the shard's gradient, creating it on first use."""
+    shard = p.sharded
+    local_grad = local_grad.to(shard._local_tensor.device, shard.dtype)  # offload; the master dtype
+    if shard.grad is None:
+        shard.grad = DTensor(local_grad.movedim(0, p.dim) if p.dim else local_grad, spec, requires_grad=False)
+    else:
+        with torch.no_grad():
+            grad = shard.grad._local_tensor
+            (grad.movedim(p.dim, 0) if p.dim else grad).add_(local_grad)

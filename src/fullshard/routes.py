@@ -1,0 +1,306 @@
+"""Routes: how the rows of one of a unit's collectives move between the ranks of its group,
+chosen once, when the unit's plans are made (gather.py, reduce.py), and the communication
+buffers they reuse.
+
+# Note [collective choice]: NCCL (and any backend but gloo) uses its native
+# all-gather and reduce-scatter over the flat buffer. On gloo these are slow:
+# `benchmarks/gloo_collectives.py` on 2 CPU cores, world 2, median of 25 (ms; 1, 8 and
+# 32 MiB buffers): all_gather_into_tensor 0.6 / 4.5 / 32-76, point-to-point 0.4 / 2.9
+# / 10.8; reduce_scatter_tensor (an all-reduce of the whole input inside gloo) 1.7 /
+# 8.2 / 39, point-to-point 0.7 / 4.0 / 15 (world 4 alike). So on gloo each rank sends
+# its flat shard (gather) or each peer's row (reduce-scatter) to that peer: one message
+# per peer, (N-1)/N of the buffer on the wire, the bandwidth optimum. Small messages (at
+# most SMALL_MESSAGE bytes to a peer, in host memory) go as one all_to_all_single, which
+# gloo's worker threads run; larger ones point-to-point. Posting a point-to-point receive
+# or send makes the training thread wait for gloo's network thread, which on busy cores
+# costs up to milliseconds now and then; all_to_all leaves that wait to gloo's threads,
+# for world - 1 extra copies of a gathered shard (one row per peer). On the tiny GPT of
+# benchmarks/host_time.py (units of 70-100 KB per rank), fullshard's step overhead over
+# DDP was 9.4 ms point-to-point and 3.1 ms all_to_all, alternated in one run (before the
+# headers of Note [named hangs]). Between matrix products (gloo_collectives.py's last
+# tables, world 2, mean ms, gather / reduce-scatter): 100 KB shards, point-to-point 0.56 /
+# 0.64, all_to_all 0.52 / 0.49; 1 MB 1.59 / 1.61 against 1.62 / 2.07; 32 MB 23.8 / 40.4
+# against 29.2 / 47.9. The rows a reduce-scatter receives are summed in rank order either
+# way, so the result does not depend on message timing or route. Every message on gloo
+# starts with a header naming its unit, model and collective (Note [named hangs], tags.py),
+# which the route makes once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fullshard import runtime
+from fullshard.runtime import MismatchedRows, launched
+from fullshard.tags import HEADER_BYTES, HEADER_TAG, first_mismatch, header, header_elements, p2p_tag, read_header
+
+# torch 2.13 renamed the flat collectives; older releases only have the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# the largest message to one peer that gloo sends as one all_to_all (Note [collective choice])
+SMALL_MESSAGE = 256 * 1024
+# the bytes posted to receive each peer's row of an all_to_all: its longest row (Note [named hangs])
+RECEIVE_CAPACITY = SMALL_MESSAGE + HEADER_BYTES
+
+
+class BufferPool:
+    """Reuses communication buffers of equal size on the CPU while units follow one
+    another, so each unit does not allocate (and fault in) its own. On GPUs the caching
+    allocator already does this, per stream, so nothing is kept."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer allocated on the current stream (Note [streams])."""
+        free = self.free[(shape, dtype, device)]
+        if not free:
+            return torch.empty(shape, dtype=dtype, device=device)
+        buffer = free.pop()
+        if runtime.active.tracks:  # to a stream model, as good as new (give checked its users were done)
+            runtime.active.allocated(buffer)
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """`buffer` is no longer used by any stream."""
+        rt = runtime.active
+        if rt.tracks:
+            rt.freed(buffer)
+        if buffer.device.type == "cpu":
+            self.free[(tuple(buffer.shape), buffer.dtype, buffer.device)].append(buffer)
+
+    def release(self) -> None:
+        """Hand every kept buffer back to the allocator (between phases that use other memory)."""
+        self.free.clear()
+
+
+@dataclass
+class Flight:
+    """One collective in flight: its works, what it receives into, this rank's send buffer
+    (kept alive until the sends are done), the headers' works and what they receive
+    (point-to-point), and who issued it (for its waits)."""
+
+    works: list
+    received: torch.Tensor | None
+    sent: torch.Tensor | None
+    header_works: list
+    headers: torch.Tensor | None
+    what: str
+    timeout: timedelta
+
+
+def wait(works: list, flight: Flight, *, on_device: bool) -> None:
+    """The current stream waits for `works`; only on the CPU does the host wait (Note [host syncs])."""
+    runtime.active.wait_works(works, timeout=flight.timeout, what=flight.what, on_device=on_device)
+
+
+def route_for(group: dist.ProcessGroup | None, device: torch.device, numel: int, dtype: torch.dtype, *, uid: int,
+              kind: int, native: bool = True) -> Route:
+    """Note [collective choice]: the route of a unit's collective of `kind` (tags.KINDS) over
+    `group` whose rows hold `numel` elements of `dtype` for each peer. `native`: the backend's
+    own collective may be used (a reduction that sums on the receiving rank may not)."""
+    if group is None:
+        return Local(group, device, numel, dtype, uid, kind)
+    rt = runtime.active
+    gloo = rt.backend(group) == "gloo"
+    if not gloo:
+        return Native(group, device, numel, dtype, uid, kind) if native else \
+            AllToAll(group, device, numel, dtype, uid, kind, checked=False)
+    if rt.host_memory(device) and numel * dtype.itemsize <= SMALL_MESSAGE:
+        return AllToAll(group, device, numel, dtype, uid, kind, checked=True)
+    return PointToPoint(group, device, numel, dtype, uid, kind)
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> list:
+    """Start reducing `tensor` in place over `group` (the all-reduce across replicas): the backend's own."""
+    return launched([dist.all_reduce(tensor, op=op, group=group, async_op=True)], reads=[tensor], writes=[tensor])
+
+
+class Route:
+    """How rows of `numel` elements of `dtype` for each peer move in `group`: made once, with
+    the header of Note [named hangs] (the unit's id, the collective's kind, the bytes a peer
+    is sent). `lead` elements of header lead each row a rank sends."""
+
+    name = "local"
+    lead = 0
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, numel: int, dtype: torch.dtype,
+                 uid: int, kind: int) -> None:
+        self.group, self.device, self.numel, self.dtype = group, device, numel, dtype
+        self.world, self.rank = (group.size(), group.rank()) if group is not None else (1, 0)
+        self.peers = [r for r in range(self.world) if r != self.rank]
+        self.on_device = not runtime.active.host_memory(device)
+        self.header = header(uid, kind, numel * dtype.itemsize)  # [2] int64, made once
+
+    def send_buffer(self, pool: BufferPool, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A buffer to send `rows` rows from (1: a gather's, every peer the same; world: a
+        reduction's, a row per rank) and its payload: [numel] or [rows, numel]."""
+        sent = pool.take((rows, self.lead + self.numel), self.dtype, self.device)
+        return sent, (sent[0, self.lead :] if rows == 1 else sent[:, self.lead :])
+
+    def gather(self, payload: torch.Tensor, sent: torch.Tensor | None, pool: BufferPool, what: str,
+               timeout: timedelta) -> Flight:
+        """Start sending `payload` ([numel], in `sent` when it came from send_buffer) to every peer."""
+        return Flight([], None, sent, [], None, what, timeout)
+
+    def reduce(self, sent: torch.Tensor, shard: torch.Tensor, op: dist.ReduceOp, pool: BufferPool, what: str,
+               timeout: timedelta) -> Flight:
+        """Start sending each peer its row of `sent` (send_buffer's, [world, ...]): natively
+        summed into `shard` (op), else received for the caller to sum."""
+        return Flight([], None, sent, [], None, what, timeout)
+
+    def finish(self, flight: Flight) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the collective (the headers first, checked: MismatchedRows) and return
+        the peers' rows, those of the ranks before this one and after it ([n, numel] each;
+        a native reduction: none)."""
+        wait(flight.works, flight, on_device=self.on_device)
+        empty = torch.empty((0, self.numel), dtype=self.dtype, device=self.device)
+        return empty, empty
+
+    def give(self, flight: Flight, pool: BufferPool) -> None:
+        for buffer in (flight.sent, flight.received):
+            if buffer is not None:
+                pool.give(buffer)
+
+    def check(self, headers: torch.Tensor, works: list) -> None:
+        """Raise MismatchedRows when a peer's header ([peers, 2] int64) is not this route's,
+        leaving `works` (rows that will never be matched) to Note [abandoned collectives]."""
+        check_headers(headers, self.header, self.peers, works)
+
+
+def check_headers(headers: torch.Tensor, expected: torch.Tensor, peers: list[int], works: list) -> None:
+    """Raise MismatchedRows when one of `headers` ([len(peers), 2] int64, from these group ranks) is
+    not `expected`, leaving `works` to Note [abandoned collectives]."""
+    if torch.equal(headers, expected.expand_as(headers)):
+        return
+    wrong = first_mismatch(headers, expected)
+    if wrong is not None:
+        runtime.abandon(works)
+        raise MismatchedRows(peers[wrong[0]], wrong[1], read_header(expected.tolist()))
+
+
+class Local(Route):
+    """No group: one rank holds every row; nothing moves."""
+
+
+class Native(Route):
+    """The backend's own all-gather and reduce-scatter (NCCL)."""
+
+    name = "native"
+
+    def gather(self, payload, sent, pool, what, timeout):
+        gathered = pool.take((self.world, self.numel), self.dtype, self.device)  # [world, numel]
+        works = launched([all_gather_single(gathered.view(-1), payload, group=self.group, async_op=True)],
+                         reads=[payload], writes=[gathered])
+        return Flight(works, gathered, sent, [], None, what, timeout)
+
+    def reduce(self, sent, shard, op, pool, what, timeout):
+        works = launched([reduce_scatter_single(shard, sent.view(-1), op=op, group=self.group, async_op=True)],
+                         reads=[sent], writes=[shard])
+        return Flight(works, None, sent, [], None, what, timeout)
+
+    def finish(self, flight):
+        wait(flight.works, flight, on_device=self.on_device)
+        rows = flight.received
+        if rows is None:
+            return super().finish(flight)
+        return rows[: self.rank], rows[self.rank + 1 :]
+
+
+class PointToPoint(Route):
+    """Gloo, large messages: each peer's rows sent to it, after a header of their own (Note
+    [named hangs]: headers under HEADER_TAG, rows under a tag hashing the header)."""
+
+    name = "p2p"
+
+    def __init__(self, group, device, numel, dtype, uid, kind):
+        super().__init__(group, device, numel, dtype, uid, kind)
+        self.tag = p2p_tag(uid, kind, numel * dtype.itemsize)
+
+    def exchange(self, sends: list[torch.Tensor], pool: BufferPool, sent, what, timeout) -> Flight:
+        received = pool.take((self.world - 1, self.numel), self.dtype, self.device)  # [world - 1, numel]
+        headers = torch.empty((len(self.peers), 2), dtype=torch.int64)  # host memory: the host reads them
+        group, tag = self.group, self.tag
+        header_works = [dist.irecv(headers[i], group=group, group_src=r, tag=HEADER_TAG)
+                        for i, r in enumerate(self.peers)]
+        header_works += [dist.isend(self.header, group=group, group_dst=r, tag=HEADER_TAG) for r in self.peers]
+        works = [dist.irecv(row, group=group, group_src=r, tag=tag) for row, r in zip(received, self.peers)]
+        works += [dist.isend(t, group=group, group_dst=r, tag=tag) for t, r in zip(sends, self.peers)]
+        return Flight(launched(works, reads=sends, writes=[received]), received, sent, header_works, headers, what,
+                      timeout)
+
+    def gather(self, payload, sent, pool, what, timeout):
+        return self.exchange([payload] * len(self.peers), pool, sent, what, timeout)
+
+    def reduce(self, sent, shard, op, pool, what, timeout):
+        return self.exchange([sent[r] for r in self.peers], pool, sent, what, timeout)
+
+    def finish(self, flight):
+        runtime.active.wait_host_works(flight.header_works, timeout=flight.timeout, what=flight.what)
+        self.check(flight.headers, flight.works)
+        wait(flight.works, flight, on_device=self.on_device)
+        rows = flight.received
+        return rows[: self.rank], rows[self.rank :]
+
+
+class AllToAll(Route):
+    """Gloo, small messages in host memory (`checked`): one all_to_all of rows, each led by the
+    header, into receives that hold the longest row this route sends (Note [named hangs]).
+    Also a reduction that sums on the receiving rank over another backend (unchecked: NCCL's
+    rows carry no header)."""
+
+    name = "all_to_all"
+
+    def __init__(self, group, device, numel, dtype, uid, kind, *, checked: bool):
+        super().__init__(group, device, numel, dtype, uid, kind)
+        self.checked = checked
+        if checked:
+            self.lead = header_elements(dtype)
+            self.row = (self.lead + numel) * dtype.itemsize  # bytes a peer is sent
+            assert self.row <= RECEIVE_CAPACITY, f"an all_to_all row of {self.row} bytes"
+            self.capacities = [RECEIVE_CAPACITY] * self.world
+            self.capacities[self.rank] = self.row  # this rank's own row: gloo copies it, as long as sent
+            stride = RECEIVE_CAPACITY // dtype.itemsize  # of the peers' rows in a receive buffer, in elements
+            after = (self.rank * RECEIVE_CAPACITY + self.row) // dtype.itemsize
+            self.rows_before = ((self.rank, self.lead + numel), (stride, 1), 0)
+            self.rows_after = ((self.world - 1 - self.rank, self.lead + numel), (stride, 1), after)
+
+    def send(self, sent: torch.Tensor, pool: BufferPool, what: str, timeout: timedelta) -> Flight:
+        """One all_to_all of `sent` ([world, lead + numel], a row per rank)."""
+        if not self.checked:
+            received = pool.take((self.world, self.numel), self.dtype, self.device)
+            work = dist.all_to_all_single(received, sent, group=self.group, async_op=True)
+            return Flight(launched([work], reads=[sent], writes=[received]), received, sent, [], None, what, timeout)
+        sent.view(torch.uint8)[:, :HEADER_BYTES].copy_(self.header.view(torch.uint8).expand(self.world, -1))
+        received = pool.take((self.world * RECEIVE_CAPACITY,), torch.uint8, self.device)  # any row fits
+        work = dist.all_to_all_single(received[: sum(self.capacities)], sent.view(torch.uint8).view(-1),
+                                      self.capacities, [self.row] * self.world, group=self.group, async_op=True)
+        return Flight(launched([work], reads=[sent], writes=[received]), received, sent, [], None, what, timeout)
+
+    def send_buffer(self, pool, rows):
+        sent = pool.take((self.world, self.lead + self.numel), self.dtype, self.device)  # a row per rank
+        return sent, (sent[0, self.lead :] if rows == 1 else sent[:, self.lead :])
+
+    def gather(self, payload, sent, pool, what, timeout):
+        sent[1:, self.lead :].copy_(payload.expand(self.world - 1, -1))  # every peer gets this rank's row
+        return self.send(sent, pool, what, timeout)
+
+    def reduce(self, sent, shard, op, pool, what, timeout):
+        return self.send(sent, pool, what, timeout)
+
+    def finish(self, flight):
+        wait(flight.works, flight, on_device=self.on_device)
+        received = flight.received
+        if not self.checked:
+            return received[: self.rank], received[self.rank + 1 :]
+        typed = received.view(self.dtype)
+        before, after = typed.as_strided(*self.rows_before), typed.as_strided(*self.rows_after)
+        lead = self.lead
+        self.check(torch.cat([before[:, :lead], after[:, :lead]]).view(torch.int64), [])
+        return before[:, lead:], after[:, lead:]
