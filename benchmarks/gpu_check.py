@@ -13,7 +13,8 @@ torchrun --standalone:
    collective semantics). A small GPT trained by every strategy (full_shard,
    shard_grad_op, no_shard, hybrid_shard with shard groups of 1 and 2) x precision
    (fp32; bf16; fp16 with fullshard.GradScaler), with CPU offload and without prefetch
-   for some, 3 SGD steps with clipping, against the same model trained by one process on
+   for some, and full_shard with gradients sent in bf16 or int8 blocks and summed in fp32
+   (Note [low-precision reductions]: an all_to_all on NCCL), 3 SGD steps with clipping, against the same model trained by one process on
    the whole global batch (low precision: bf16/fp16 copies of fp32 masters, by hand);
 2. the step benchmark at world 1: fullshard against FSDP2 (sharded per block, bf16
    compute) on the 100m GPT, alternating, median step time and
@@ -38,7 +39,9 @@ import time
 from datetime import timedelta
 
 # (loss, parameter) tolerances against one process; reasons where they are used, in parity()
-TOLERANCES = {"fp32": (1e-5, 1e-5), "bf16": (0.08, 2e-3), "fp16": (0.02, 4e-4)}
+TOLERANCES = {"fp32": (1e-5, 1e-5), "bf16": (0.08, 2e-3), "fp16": (0.02, 4e-4),
+              "fp32+bf16": (1e-4, 5e-4), "bf16+int8": (0.08, 3e-3)}
+LOW_PRECISION_REDUCTIONS = ("fp32+bf16", "bf16+int8")  # compute precision + the dtype gradients are sent in
 
 
 MESHES: dict[int, object] = {}  # hybrid meshes by shard-group size
@@ -64,7 +67,9 @@ def configs(world: int) -> list[tuple[str, int, str, bool, bool]]:
     plain = [(s, n, p, False, True) for (s, n), p in itertools.product(shapes, precisions)]
     varied = [(s, n, p, offload, prefetch) for (s, n), p, (offload, prefetch) in
               itertools.product([("full_shard", 0), ("hybrid_shard", 1)], precisions, ((True, True), (False, False)))]
-    return plain + varied
+    # Note [low-precision reductions]: fp32 compute with bf16 rows, bf16 compute with int8 rows
+    sent = [("full_shard", 0, p, False, True) for p in LOW_PRECISION_REDUCTIONS]
+    return plain + varied + sent
 
 
 def build(device):
@@ -82,8 +87,11 @@ def shard(model, strategy: str, size: int, precision: str, offload: bool, prefet
     import fullshard
     from fullshard.gpt import Block
 
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    options = dict(mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=low) if low else None,
+    compute, _, sent = precision.partition("+")
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute)
+    send = {"bf16": torch.bfloat16, "int8": torch.int8}.get(sent)
+    options = dict(mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=low, reduce_send_dtype=send)
+                   if low or send else None,
                    offload_policy=fullshard.CPUOffloadPolicy() if offload else None)
     if strategy == "reshard_after_forward":
         for block in model.h:
@@ -152,7 +160,7 @@ def train_reference(model, batches, precision: str, device) -> list[float]:
     bf16/fp16 copy computes (tests/test_precision.py's reference)."""
     import torch
 
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.partition("+")[0])
     compute = copy.deepcopy(model).to(low) if low else model
     optimizer, scaler = optimizer_for(model), scaler_for(precision, device, sharded=False)
     losses = []
@@ -201,6 +209,9 @@ def parity(rank: int, world: int, device) -> list[dict]:
             # moves a value by about an ulp of its dtype; with --cpu (2 ranks) measured: loss
             # 0.047 (1.5 bf16 ulps at ~4) / 0.0059 (fp16), parameters 1.8e-4 / 2.0e-5;
             # the bounds allow ~2.5 ulps on losses and 10-20x on parameters for GPU kernels.
+            # Gradients sent in bf16 (int8 blocks) move each by up to 2^-8 of it (half a step
+            # of its block): with --cpu, fp32+bf16 loss 2.4e-6, parameters 6.2e-5; bf16+int8
+            # loss 0.047 (bf16's), parameters 2.1e-4; the bounds allow 8x and 14x on parameters.
             loss_tol, param_tol = TOLERANCES[precision]
             ok = loss_drift <= loss_tol and drift <= param_tol and all(v == v for v in got)
             detail = f"loss {loss_drift:.2e} param {drift:.2e}"
@@ -359,11 +370,13 @@ def table(parity_run: dict | None, bench_run: dict | None) -> list[str]:
         lines.append("| parity, world 2 on one device | did not finish | see the output above |")
     else:
         records = parity_run["parity"]
-        for precision in ("fp32", "bf16", "fp16"):
+        for precision in ("fp32", "bf16", "fp16", *LOW_PRECISION_REDUCTIONS):
             mine = [r for r in records if r["precision"] == precision]
             passed = sum(r["ok"] for r in mine)
             loss, param = (max(r[k] for r in mine) for k in ("loss", "param"))
-            lines.append(f"| parity {precision}, world 2 on one device ({parity_run['device']}) | {passed} of "
+            compute, _, sent = precision.partition("+")
+            what = f"{compute}, gradients sent in {sent} (fp32 sum)" if sent else precision
+            lines.append(f"| parity {what}, world 2 on one device ({parity_run['device']}) | {passed} of "
                          f"{len(mine)} pass | largest drift: loss {loss:.2e}, parameters {param:.2e} |")
         for r in records:
             if r["precision"] == "save":

@@ -33,6 +33,20 @@ def token_batch(generator: torch.Generator, batch: int) -> tuple[torch.Tensor, t
     return x, torch.roll(x, -1, dims=1)
 
 
+def overfit(model: nn.Module, steps: int) -> list[float]:
+    """AdamW (lr 1e-2) on one batch per rank of a sharded GPT: the losses, falling."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = token_batch(torch.Generator().manual_seed(torch.distributed.get_rank()), 2)
+    losses = []
+    for _ in range(steps):
+        loss = model(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return model(*batch)
 
@@ -207,6 +221,7 @@ def model_spec(name: str):
 # ---- stream-model runs (tests/test_streams.py, tests/test_gpu_paths.py) ---------------------
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SENT = {"bf16": torch.bfloat16, "int8": torch.int8}  # reduce_send_dtype, Note [low-precision reductions]
 
 
 @functools.cache
@@ -221,14 +236,17 @@ def build(strategy: str, precision: str, offload: bool, mode: str, n_layer: int 
     """A GPT (no biases: fewer parameters, the same code paths) of `n_layer` block units
     and a root, sharded by `strategy` ("full_shard", "shard_grad_op", "no_shard",
     "hybrid_f1"/"hybrid_f2": shard groups of 1/2, "reshard_to_2": reshard_after_forward=2),
-    with prefetch unless `mode` is "no_prefetch"."""
+    in `precision` ("fp32", "bf16", "fp16"; "+bf16"/"+int8" after it: gradients sent so), with
+    prefetch unless `mode` is "no_prefetch"."""
     import fullshard
     from fullshard.init import shard_unit  # fully_shard with shard_model's prefetch schedule
     from fullshard.options import Schedule
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=n_layer, n_head=2, n_embd=30, bias=False))
-    mp = fullshard.MixedPrecisionPolicy(param_dtype=LOW[precision]) if precision in LOW else None
+    compute, _, send = precision.partition("+")  # "bf16+int8": bf16 compute, gradients sent as int8
+    mp = fullshard.MixedPrecisionPolicy(param_dtype=LOW.get(compute), reduce_send_dtype=SENT.get(send)) \
+        if compute in LOW or send else None
     policy = fullshard.CPUOffloadPolicy() if offload else None
     prefetch = mode != "no_prefetch"
     options = dict(mp_policy=mp, offload_policy=policy)

@@ -28,15 +28,15 @@ def meta_gpt(preset: str = "small", seq: int = 128) -> GPT:
 
 
 def predicted(preset: str, world: int, strategy: str, precision: str, batch: int, budget: float = 1e15,
-              gather: str = "exact"):
+              gather: str = "exact", reduce: str = "exact"):
     plan = fullshard.plan(meta_gpt(preset), world_size=world, memory_budget=budget, batch=batch, seq=128,
                           precisions=(precision,), strategies=(strategy,), hardware=CPU)
     return next(c for c in plan.candidates if c.wrap == "blocks" and c.limit_all_gathers == 2 and not c.checkpointing
-                and c.gather == gather)
+                and c.gather == gather and c.reduce == reduce)
 
 
 def run_job(preset: str, strategy: str, precision: str, batch: int, plan_budget: float | None = None,
-            gather: str = "exact") -> dict:
+            gather: str = "exact", reduce: str = "exact") -> dict:
     """Build on meta, shard (as given, or by a plan for `plan_budget`), train 3 steps; the peak
     resident memory above the process before building, and the bytes of the last step."""
     x = torch.randint(0, 256, (batch, 129))
@@ -57,7 +57,8 @@ def run_job(preset: str, strategy: str, precision: str, batch: int, plan_budget:
         fullshard.apply_plan(model, plan)
     else:
         mp = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
-                                            gather_dtype=torch.int8 if gather == "int8" else None)
+                                            gather_dtype=torch.int8 if gather == "int8" else None,
+                                            reduce_send_dtype=torch.int8 if reduce == "int8" else None)
         fullshard.shard_model(model, wrap={Block}, strategy=strategy, mp_policy=mp, forward_prefetch=True, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(3):
@@ -102,11 +103,13 @@ def test_prediction_matches_measurement(strategy, precision):
     assert abs(want.peak - got["peak"]) <= MEMORY_TOL * got["peak"], (want.peak / 2**20, got["peak"] / 2**20)
 
 
-def test_bytes_are_exact_for_int8_gathers(world2):
-    got = world2.run(run_job, preset="tiny", strategy="full_shard", precision="bf16", batch=2, gather="int8")[0]
-    want = predicted("tiny", 2, "full_shard", "bf16", 2, gather="int8")
+def test_bytes_are_exact_for_int8_gathers_and_reductions(world2):
+    got = world2.run(run_job, preset="tiny", strategy="full_shard", precision="bf16", batch=2, gather="int8",
+                     reduce="int8")[0]
+    want = predicted("tiny", 2, "full_shard", "bf16", 2, gather="int8", reduce="int8")
     exact = predicted("tiny", 2, "full_shard", "bf16", 2)
-    assert (want.sent_intra, want.sent_cross) == (got["intra"], got["cross"])  # Note [int8 gathers]'s formula
+    # Note [int8 gathers]'s and Note [low-precision reductions]'s formulas
+    assert (want.sent_intra, want.sent_cross) == (got["intra"], got["cross"])
     assert want.sent_intra < exact.sent_intra
 
 

@@ -1,5 +1,5 @@
-"""int8 block-quantized all-gathers (Note [int8 gathers], fullshard/quantize.py): the bytes
-they send, exactly, the error they make, and training next to bf16 gathers."""
+"""int8 and float8 block-quantized all-gathers (Note [int8 gathers], fullshard/quantize.py): the
+bytes they send, exactly, the error they make, and training next to bf16 gathers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fullshard.hooks import units_under
 from fullshard.gather import Context
 from fullshard.options import UnitOptions
 from fullshard.quantize import Quantized, quantized_bytes
-from tests.models import tiny_gpt, token_batch
+from tests.models import overfit, tiny_gpt, token_batch
 
 
 def test_the_error_of_each_block_is_at_most_half_its_step():
@@ -25,7 +25,7 @@ def test_the_error_of_each_block_is_at_most_half_its_step():
     shard[256:512] = 0
     full = torch.empty(1000)
     param = SimpleNamespace(shard_numel=1000, full_padded=full, replicated=False)  # what the format reads
-    quantizer = Quantized(param, torch.float32, Context(UnitOptions(True, gather_block=256), shard.device, 1))
+    quantizer = Quantized(param, torch.float32, Context(UnitOptions(True, gather_dtype=torch.int8), shard.device, 1))
     q, scales = quantizer.inputs(shard)
     assert q.dtype == torch.int8 and q.numel() == 1000 and scales.numel() == 4
     quantizer.allocate(small=False)
@@ -40,21 +40,34 @@ def test_the_error_of_each_block_is_at_most_half_its_step():
     assert quantized_bytes(1000, 256) == 1000 + 16
 
 
+def test_float8_gathers_keep_each_value_within_its_relative_step():
+    """gather_dtype=float8_e4m3fn: the same blocks and scales (s = max|x| / 448), each value a
+    float8 with 3 mantissa bits: within 2^-4 of itself, or, below e4m3's normal range
+    (2^-6 s), within half its subnormal spacing 2^-9 s."""
+    generator = torch.Generator().manual_seed(0)
+    shard = torch.randn(1000, generator=generator) * torch.logspace(-3, 2, 1000)
+    full = torch.empty(1000)
+    param = SimpleNamespace(shard_numel=1000, full_padded=full, replicated=False)
+    options = UnitOptions(True, gather_dtype=torch.float8_e4m3fn)
+    quantizer = Quantized(param, torch.float32, Context(options, shard.device, 1))
+    q, scales = quantizer.inputs(shard)
+    assert q.dtype == torch.float8_e4m3fn and q.numel() == 1000 and scales.numel() == 4
+    quantizer.allocate(small=False)
+    for out, value in zip(quantizer.outputs(small=False), (q, scales)):
+        out.copy_(value)
+    quantizer.after(small=False)
+    s = scales.repeat_interleave(256)[:1000]
+    bound = torch.maximum(shard.abs() * 2**-4, s * 2**-10) * (1 + 1e-6)
+    assert ((full - shard).abs() <= bound).all(), ((full - shard).abs() / bound).max()
+
+
 def train(gather_dtype, steps: int = 6) -> dict:
     torch.manual_seed(0)
     model = tiny_gpt()
     policy = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, gather_dtype=gather_dtype)
     fullshard.shard_model(model, wrap={Block}, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = token_batch(torch.Generator().manual_seed(dist.get_rank()), 2)  # one batch: the loss falls
-    losses = []
     with fullshard.stats(model) as stats:
-        for _ in range(steps):
-            loss = model(*batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = overfit(model, steps)
         sent = stats.gather_bytes
         per_unit = {name: dict(counts) for name, counts in stats.per_unit.items()}
     world = dist.get_world_size()
@@ -67,9 +80,10 @@ def train(gather_dtype, steps: int = 6) -> dict:
 
 
 def int8_job() -> dict:
-    int8, bf16 = train(torch.int8), train(None)
+    int8, bf16, float8 = train(torch.int8), train(None), train(torch.float8_e4m3fn)
     return {"sent": int8["sent"], "predicted": int8["predicted"], "ratio": int8["sent"] / bf16["sent"],
-            "losses": int8["losses"], "bf16 losses": bf16["losses"]}
+            "losses": int8["losses"], "bf16 losses": bf16["losses"], "float8 losses": float8["losses"],
+            "float8 sent": float8["sent"]}
 
 
 def test_int8_gathers_send_the_formula_s_bytes_and_train_like_bf16_gathers(world2):
@@ -83,6 +97,11 @@ def test_int8_gathers_send_the_formula_s_bytes_and_train_like_bf16_gathers(world
         for a, b in zip(got["losses"], got["bf16 losses"]):
             assert abs(a - b) <= 0.02 * b, got
         assert got["losses"][-1] < got["losses"][0]
+        # float8 (e4m3) gathers: the same bytes; weights within 2^-4 of themselves (bf16: 2^-8),
+        # the losses within 3% of bf16 gathers'
+        assert got["float8 sent"] == got["sent"], got
+        for a, b in zip(got["float8 losses"], got["bf16 losses"]):
+            assert abs(a - b) <= 0.03 * b, got
 
 
 def int_reshard_job() -> dict:

@@ -288,6 +288,11 @@ def bad_input_job() -> dict:
         "state dict optimizer": lambda: fullshard.get_state_dict(model, optimizer="adam"),
         "sharded rank0_only": lambda: fullshard.get_state_dict(model, full=False, rank0_only=True),
         "set_state_dict": lambda: fullshard.set_state_dict(model, model_sd=[1, 2]),
+        "set_state_dict full=True of shards": lambda: fullshard.set_state_dict(
+            model, model_sd=fullshard.get_state_dict(model, full=False)[0]),
+        "set_state_dict full=False of full values": lambda: fullshard.set_state_dict(
+            model, model_sd=fullshard.get_state_dict(model)[0], full=False),
+        "set_state_dict full flag": lambda: fullshard.set_state_dict(model, model_sd={}, full="yes"),
         "init_weights_from": lambda: fullshard.init_weights_from(model, "weights.pt"),
         "save path": lambda: fullshard.save(None, model),
         "save step": lambda: fullshard.save("x", model, step="ten"),
@@ -307,3 +312,5 @@ def test_bad_input_to_every_public_function_is_refused_before_anything_changes(w
         assert got.pop("unchanged")
         for name, message in got.items():
             assert message, f"{name}: no FullShardError"
+        assert "pass full=False" in got["set_state_dict full=True of shards"], got
+        assert "pass full=True" in got["set_state_dict full=False of full values"], got

@@ -164,7 +164,7 @@ def record_schedule(model: nn.Module, step) -> list[tuple[str, str]]:
     first op's output is computed), and its reduction being issued ("reduce")."""
     from fullshard.hooks import Phase, hooks_for
     from fullshard.reduce import Reductions
-    from fullshard.root import Scheduler
+    from fullshard.hooks import Scheduler
     from fullshard.unit import ShardState, Unit
 
     events: list[tuple[str, str]] = []

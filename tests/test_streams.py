@@ -41,19 +41,26 @@ WORLD4_PRECISIONS = ["bf16"]
 STEPS = 2
 GLOO_ROWS = dict(strategies=["full_shard", "hybrid_f1"], native=False, precisions=["fp32", "bf16"],
                  modes=["prefetch", "no_sync"])
+# Note [low-precision reductions]: rows encoded on the reduce stream, an all_to_all on NCCL
+# (native=True models it) and gloo's rows, summed in float32 where they arrive
+LOW_PRECISION = dict(strategies=["full_shard"], precisions=["fp32+bf16", "bf16+int8"], modes=["no_sync"])
 GROWTH = dict(strategies=["full_shard", "no_shard"], precisions=["fp32", "fp16"], modes=["accumulate"])
 MISSING_WAITS = [
     # issue 15, defect 1: without "the reduce stream waits for the compute stream" the
     # all-reduce of no_shard and hybrid F=1 reads rows the compute stream is still writing
-    ("no_shard", ("reduce", "compute"), "read on collective"),
-    ("hybrid_f1", ("reduce", "compute"), "read on collective"),
-    ("full_shard", ("reduce", "compute"), "read on collective"),
+    ("no_shard", "bf16", ("reduce", "compute"), "read on collective"),
+    ("hybrid_f1", "bf16", ("reduce", "compute"), "read on collective"),
+    ("full_shard", "bf16", ("reduce", "compute"), "read on collective"),
+    # int8 rows: their encoding reads rows the compute stream is still packing
+    ("full_shard", "bf16+int8", ("reduce", "compute"), "read on reduce"),
     # the gather's cast reads a shard the optimizer may still be writing
-    ("full_shard", ("gather", "compute"), "read on gather"),
+    ("full_shard", "bf16", ("gather", "compute"), "read on gather"),
     # forward reads full parameters the gather stream is still writing
-    ("full_shard", ("compute", "gather"), "read on compute"),
+    ("full_shard", "bf16", ("compute", "gather"), "read on compute"),
     # the gradients land before the all-reduce across replicas is done
-    ("no_shard", ("compute", "all_reduce"), "read on compute"),
+    ("no_shard", "bf16", ("compute", "all_reduce"), "read on compute"),
+    # int8 rows' sum lands before the reduce stream decoded it
+    ("full_shard", "fp32+int8", ("compute", "reduce"), "read on compute"),
 ]
 
 
@@ -71,12 +78,12 @@ def checker(strategies: list[str], n_layer: int = 2, native: bool = True, precis
     return out
 
 
-def missing_wait(strategy: str, skipped: tuple[str, str]) -> list[str]:
+def missing_wait(strategy: str, precision: str, skipped: tuple[str, str]) -> list[str]:
     """The violations of one configuration whose `skipped` (waiter, waited) wait_stream is dropped."""
     model_rt = StreamModel(skip_waits=(skipped,))
     with runtime.installed(model_rt), model_rt.tracking():
-        model = build(strategy, "bf16", False, "prefetch")
-        train_modelled(model, model_rt, "bf16", False, "prefetch", steps=STEPS)
+        model = build(strategy, precision, False, "prefetch")
+        train_modelled(model, model_rt, precision, False, "prefetch", steps=STEPS)
     return model_rt.violations
 
 
@@ -153,8 +160,11 @@ def world2_job() -> dict:
         "mixed": mixed_checker(),
         "matrix": checker(WORLD2),
         "gloo_rows": checker(**GLOO_ROWS),
+        "low_precision": {**checker(**LOW_PRECISION), **{f"gloo {name}": got for name, got in
+                                                          checker(native=False, **LOW_PRECISION).items()}},
         "more_units": checker(n_layer=3, **GROWTH),
-        "missing_waits": [missing_wait(strategy, skipped) for strategy, skipped, _ in MISSING_WAITS],
+        "missing_waits": [missing_wait(strategy, precision, skipped) for strategy, precision, skipped, _ in
+                          MISSING_WAITS],
         "bench_syncs": [bench_syncs(2), bench_syncs(3)],
     }
 
@@ -216,6 +226,13 @@ def test_stream_order_on_gloo_rows(on2):
     check_results([got["gloo_rows"] for got in on2])
 
 
+def test_stream_order_of_low_precision_reductions(on2):
+    results = [{name.removeprefix("gloo "): got for name, got in on2[rank]["low_precision"].items()
+                if name.startswith("gloo ") == gloo} for rank in range(2) for gloo in (False, True)]
+    check_results(results)
+    assert all(len(configs) == 4 for configs in results)
+
+
 def test_host_syncs_do_not_grow_with_units(on2):
     for got in on2:
         assert got["more_units"], got.keys()
@@ -224,9 +241,10 @@ def test_host_syncs_do_not_grow_with_units(on2):
 
 
 @pytest.mark.parametrize("case", range(len(MISSING_WAITS)),
-                         ids=[f"{strategy}-{'-waits-'.join(skipped)}" for strategy, skipped, _ in MISSING_WAITS])
+                         ids=[f"{strategy}-{precision}-{'-waits-'.join(skipped)}"
+                              for strategy, precision, skipped, _ in MISSING_WAITS])
 def test_the_model_sees_each_missing_wait(on2, case):
-    seen = MISSING_WAITS[case][2]
+    seen = MISSING_WAITS[case][3]
     for got in on2:
         violations = got["missing_waits"][case]
         assert any(v.startswith(seen) for v in violations), violations

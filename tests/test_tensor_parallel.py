@@ -229,3 +229,32 @@ def test_what_2d_sharding_cannot_do_is_refused(world4):
     assert "1-D tensor parallelism" in got["2-D TP"], got
     assert "tensor-parallel model" in got["rank0_only"], got
     assert "ranks hold different values" in got["differ"], got  # compared within dp groups only
+
+
+def tp_hang_job() -> dict:
+    """Rank 0 asks for a full state dict of a TP-only model (dp 1 x tp 2) and rank 1 does not:
+    DTensor's all-gather over the TP group, which takes no timeout of its own, gives up after
+    the unit's and names itself; the TP group's own timeout is back as it was."""
+    import time
+
+    from fullshard.collectives import pg_timeout
+
+    model, _ = build((1, 2))
+    model.set_timeout(1.0)
+    mesh = next(model.parameters()).device_mesh  # dp and tp
+    group = mesh.get_group(mesh.ndim - 1)
+    before = pg_timeout(group)
+    if dist.get_rank() != 0:
+        return {}
+    start = time.perf_counter()
+    message = raises(lambda: fullshard.get_state_dict(model))
+    return {"message": message, "seconds": time.perf_counter() - start, "timeout back": pg_timeout(group) == before}
+
+
+def test_dtensor_collectives_give_up_within_the_units_timeout_and_name_themselves(world2):
+    try:
+        got = world2.run(tp_hang_job)[0]
+    finally:
+        world2.restart()  # gloo closed the group's connections when its collective gave up
+    assert "tensor-parallel collective of parameter" in got["message"] and "within 1 s" in got["message"], got
+    assert got["seconds"] < 10 and got["timeout back"], got

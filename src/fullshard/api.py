@@ -12,7 +12,7 @@ from fullshard.errors import fail
 from fullshard.hooks import hooks_on
 from fullshard.init import shard_unit
 from fullshard.module import FSDPModule, hooks_of
-from fullshard.options import Schedule
+from fullshard.options import Schedule, after_forward
 from fullshard.policy import MixedPrecisionPolicy, OffloadPolicy, checked_policies
 
 
@@ -119,12 +119,8 @@ def fully_shard(
     if any(isinstance(m, FSDPModule) for m in modules):
         raise fail(f"this {what} is already sharded",
                    "Call fully_shard once per module, inner modules first and the root last.")
-    if reshard_after_forward is None:  # FSDP2's default: free, except the root's (which fullshard always keeps)
-        reshard_after_forward = True
-    if type(reshard_after_forward) not in (bool, int):
-        raise fail(f"reshard_after_forward={reshard_after_forward!r} is not a bool or an int",
-                   "Pass True (free after forward), False (keep until after backward) or an int k (keep "
-                   "1/k after forward, gathered in backward inside groups of k ranks).")
+    if type(reshard_after_forward) not in (bool, int, type(None)):  # refused before any work
+        after_forward(reshard_after_forward, 1, True)
     mp_policy, offload_policy = checked_policies(mp_policy, offload_policy)
     if ignored_params is not None and not all(isinstance(p, nn.Parameter) for p in ignored_params):
         raise fail("ignored_params must be a set of the module's nn.Parameters", "Pass e.g. {model.head.weight}.")

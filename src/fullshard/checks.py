@@ -7,10 +7,9 @@ import zlib
 import torch
 
 from fullshard.collectives import all_gather_ints, all_gather_json, site
-from fullshard.errors import collective_failed, fail
-from fullshard.options import DEFAULT_TIMEOUT
+from fullshard.errors import CollectiveError, collective_failed, fail
 from fullshard.mesh import ShardGroup
-from fullshard.runtime import CollectiveError
+from fullshard.options import DEFAULT_TIMEOUT
 
 PARAMETERS = site("the comparison of the parameters ranks shard")
 DEBUG_CHECK = site("the debug check")

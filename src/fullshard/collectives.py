@@ -11,11 +11,13 @@ import json
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from fullshard import runtime
+from fullshard.errors import CollectiveError
 from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.runtime import MismatchedCall, launched
 
@@ -133,15 +135,46 @@ def barrier(timeout: timedelta, what: str) -> None:
 
 
 
-def redistribute(value, placements: tuple):
+def redistribute(value, placements: tuple, caller: Caller):
     """A DTensor gradient (a tensor-parallel partial sum) in `placements`: DTensor's own
-    collective over the TP mesh's groups, under their process group's timeout (DTensor's
-    collectives take no other; a TP group created by init_device_mesh has the default
-    group's)."""
-    return value.redistribute(placements=placements)
+    collective over its mesh's groups, bounded as `caller` says (dtensor_collective)."""
+    return dtensor_collective(value, lambda v: v.redistribute(placements=placements), caller)
 
 
-def full_tensor(value):
+def full_tensor(value, caller: Caller):
     """A DTensor whole on every rank of its mesh (every rank of it must call): DTensor's own
-    all-gather, under its process groups' timeout, as redistribute."""
-    return value.full_tensor()
+    all-gather, bounded as `caller` says (dtensor_collective)."""
+    return dtensor_collective(value, lambda v: v.full_tensor(), caller)
+
+
+def dtensor_collective(value, run: Callable, caller: Caller):
+    """`run(value)`, whose collectives are DTensor's own over the groups of value's mesh, which
+    take no timeout: each group gives up after the caller's for the call (its own timeout put
+    back after), and a failure is a CollectiveError naming the caller (Note [named hangs])."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    groups = value.device_mesh.get_all_groups()
+    saved = [(group, pg_timeout(group)) for group in groups]
+    bounded = [(group, old) for group, old in saved if old is not None]  # a backend whose timeout can be put back
+    for group, _ in bounded:
+        dist.distributed_c10d._set_pg_timeout(caller.timeout, group)
+    try:
+        out = run(value)
+        return out.wait() if isinstance(out, AsyncCollectiveTensor) else out  # issued within the window
+    except RuntimeError as e:  # the backends raise RuntimeError subclasses for timeouts and lost peers
+        error = CollectiveError(f"{caller.what} did not finish within {caller.timeout.total_seconds():g} s "
+                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        error.names_the_collective = True  # said as it is (errors.collective_failed)
+        raise error from e
+    finally:
+        for group, old in bounded:
+            dist.distributed_c10d._set_pg_timeout(old, group)
+
+
+def pg_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout of `group`'s backend for its device, where torch says it (gloo's and NCCL's options)."""
+    device = torch.device("cuda") if torch.device("cuda") in group._device_types else torch.device("cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None

@@ -14,10 +14,18 @@ DIVERGED = ("Every rank must run the same units in the same order: another rank 
 
 
 class FullShardError(ValueError):
-    """Misuse of fullshard: the message says what was wrong and how to fix it.
+    """Misuse of fullshard, or a collective that failed: the message says what was wrong and how
+    to fix it.
 
-    Raised before any state is changed, so the model is still usable after it.
+    A check of arguments, state or files raises it before any state is changed, so the model is
+    still usable after it; a failed collective (Note [named hangs]) raises it mid-step, and the
+    process group cannot go on: its message says to restart.
     """
+
+
+class CollectiveError(RuntimeError):
+    """A collective that failed or did not finish within its timeout (runtime.py raises it; a
+    unit turns it into its FullShardError through runtime.Failing)."""
 
 
 class EveryRankError(FullShardError):

@@ -41,7 +41,7 @@ from fullshard.errors import fail
 from fullshard.options import UnitOptions
 from fullshard.param import ShardedParam, local_values
 from fullshard.routes import BufferPool, Flight, Route, route_for
-from fullshard.runtime import CollectiveError
+from fullshard.runtime import Failing
 
 
 @dataclass(frozen=True)
@@ -333,8 +333,6 @@ def gather_state(unit, params: list[ShardedParam], shards: list[torch.Tensor], d
                  what: str) -> list[torch.Tensor]:
     """gather_values over a unit's shard group, within its timeout; its error if it fails."""
     collective = f"all-gather (of {what})"
-    try:
+    with Failing(unit, collective):
         return gather_values(params, shards, dtype, unit.group.shard_pg, unit.compute_device, unit.uid, unit.pool,
                              unit.what(collective), unit.timeout)
-    except CollectiveError as e:
-        raise unit.failed(collective, e) from None

@@ -74,11 +74,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fullshard.errors import fail
+from fullshard.errors import CollectiveError, collective_failed, fail
 from fullshard.options import Schedule
-from fullshard.root import Root
 from fullshard.param import OwnedParam
-from fullshard.unit import Unit
+from fullshard.root import Root
+from fullshard.unit import ShardState, Unit
 
 HOOKS_ATTR = "_fullshard_hooks"
 
@@ -94,11 +94,16 @@ def ordinary_tensors() -> Iterator[None]:
 
 
 def normal_tensors(fn: Callable) -> Callable:
-    """`fn` run under ordinary_tensors (Note [inference mode])."""
+    """`fn`, a public function that may communicate, run under ordinary_tensors (Note
+    [inference mode]); a collective that fails inside it and is not yet a unit's named error
+    (DTensor's, of a tensor-parallel value) is raised as the FullShardError that names it."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         with ordinary_tensors():
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except CollectiveError as e:
+                raise collective_failed(fn.__name__, e) from None
 
     return run
 
@@ -164,7 +169,6 @@ def ddp_averaged() -> WeakIdKeyDictionary:
         if issubclass(type(obj), DistributedDataParallel):  # type(), not isinstance: a dead weakref.proxy raises
             DDP_AVERAGED.update((p, True) for p in obj.parameters() if p.requires_grad)
     return DDP_AVERAGED
-
 
 
 def hooks_on(module: nn.Module) -> list[UnitHooks]:
@@ -292,6 +296,75 @@ class PostBackward(torch.autograd.Function):
 # (finish_backward), as a unit used twice is.
 
 
+class Scheduler:
+    """The forward order (recorded each step, reversed for backward), the limiter and the
+    reduction in flight. Orders are lists with a position map, so each lookup is O(1)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.order: list[Unit] = []  # this step's forward order, first calls only
+        self.position: dict[Unit, int] = {}  # index in `order`
+        self.last_order: list[Unit] = []
+        self.last_position: dict[Unit, int] = {}
+        self.ahead: dict[Unit, None] = {}  # gathered ahead of use, not used yet (insertion-ordered)
+        self.reducing: Unit | None = None  # the unit whose reduction is in flight
+
+    def start_forward(self) -> None:
+        if self.order:
+            self.last_order, self.last_position = self.order, self.position
+            self.order, self.position = [], {}
+
+    def record(self, unit: Unit) -> None:
+        """`unit` starts its forward or backward: it is no longer ahead of use."""
+        self.ahead.pop(unit, None)
+        if unit not in self.position:
+            self.position[unit] = len(self.order)
+            self.order.append(unit)
+
+    def prefetch(self, targets: list[Unit], *, limited: bool) -> None:
+        limit = self.schedule.limit if limited else None
+        for target in targets:
+            if limit is not None and len(self.ahead) >= limit:
+                return
+            if target.state is ShardState.SHARDED:
+                target.unshard(adopt=False)  # the root scanned for replaced parameters, Note [replaced parameters]
+                self.ahead[target] = None
+
+    def prefetch_forward(self, unit: Unit, targets: list[Unit] | None) -> None:
+        """Before `unit`'s forward: its explicit targets, or those after it in the last forward."""
+        if targets is not None:
+            self.prefetch(targets, limited=False)
+        elif self.schedule.forward_prefetch and unit in self.last_position:
+            self.prefetch(self.last_order[self.last_position[unit] + 1 :], limited=True)
+
+    def prefetch_backward(self, unit: Unit, targets: list[Unit] | None) -> None:
+        """Around `unit`'s backward: its explicit targets, or those before it in this forward, nearest first."""
+        if targets is not None:
+            self.prefetch(targets, limited=False)
+        elif unit in self.position:
+            self.prefetch(self.order[self.position[unit] - 1 :: -1] if self.position[unit] else [], limited=True)
+
+    def ran_last(self, unit: Unit) -> bool:
+        """Whether `unit` was the last to start its forward in the previous step."""
+        return bool(self.last_order) and self.last_order[-1] is unit
+
+    def drop_unused_prefetches(self) -> None:
+        """End of forward: units prefetched but never run (the order changed) are freed."""
+        for unit in self.ahead:
+            unit.reshard()
+        self.ahead.clear()
+
+    def reduce_issued(self, unit: Unit) -> None:
+        """`unit`'s reduction is in flight: wait for the one issued before it."""
+        if self.reducing is not None and self.reducing is not unit:
+            self.reducing.grads.finish()
+        self.reducing = unit
+
+    def end_backward(self) -> None:
+        self.drop_unused_prefetches()
+        self.reducing = None
+
+
 class UnitHooks:
     """The hooks of one unit (Note [backward triggers]); at lazy init the outermost unit's make
     the Root every unit's hooks under it share."""
@@ -317,7 +390,7 @@ class UnitHooks:
         if self.root is None:
             names = {module: name for name, module in self.unit.module.named_modules()}
             units = list(dict.fromkeys(hooks for module in names for hooks in hooks_on(module)))
-            root = Root(units, self.schedule)
+            root = Root(units, Scheduler(self.schedule))
             fqns = [names[hooks.unit.module] or "<root>" for hooks in units]
             model = f"model {self.unit.uid} ({self.unit.class_name})"  # Note [named hangs]
             for index, hooks in enumerate(units):
@@ -403,7 +476,7 @@ class UnitHooks:
         if not torch.is_grad_enabled():
             self.unit.reshard()
             return output
-        options = self.unit.options
+        options = self.unit.options  # as options.after_forward resolved reshard_after_forward
         if options.free_after_forward and not self.is_root and \
                 not (options.keep_last and self.root.scheduler.ran_last(self.unit)):  # Note [kept after forward]
             self.unit.free_after_forward()
@@ -418,7 +491,8 @@ class UnitHooks:
 
     @torch.compiler.disable  # Note [compiled modules]
     def pre_backward(self, grad: torch.Tensor) -> None:
-        self.root.queue_final_callback()
+        if not self.root.callback_queued:  # by the first unit whose backward starts
+            self.root.queue_final_callback()
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             scheduler, unshard = self.root.scheduler, self.unit.switches.unshard_in_backward

@@ -16,12 +16,10 @@ from fullshard.errors import fail
 from fullshard.hooks import HOOKS_ATTR, OWNER, Phase, UnitHooks, claim, hooks_on, units_under
 from fullshard.mesh import ShardGroup, check_tp_mesh, shard_group, spmd_dp_mesh
 from fullshard.module import FSDPModule
-from fullshard.options import Schedule, UnitOptions
-from fullshard.param import local_values
+from fullshard.options import Schedule, UnitOptions, after_forward
+from fullshard.param import OwnedParam, local_values
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fullshard.param import OwnedParam
-from fullshard.tags import next_uid
-from fullshard.tags import unit_of
+from fullshard.tags import next_uid, unit_of
 from fullshard.unit import Unit
 
 
@@ -198,21 +196,6 @@ def check_owned(what: str, owned: list[OwnedParam], group: ShardGroup) -> None:
         raise fail(f"the parameters of this {what} are on different devices ({listing})",
                    "Move the module to one device (module.to(device)) before sharding it.")
 
-def after_forward(reshard_after_forward: bool | int, group: ShardGroup) -> tuple[bool, int]:
-    """(free after forward, the post-forward world of Note [smaller world after forward]) of a
-    unit over `group` for fully_shard's `reshard_after_forward`."""
-    if type(reshard_after_forward) is not int:
-        return reshard_after_forward, 1
-    k = reshard_after_forward
-    if k not in (1, group.world) and group.mesh.size() != torch.distributed.get_world_size():
-        raise fail(f"reshard_after_forward={k} on a data-parallel mesh of part of the ranks",
-                   "Pass True or False with a sub-mesh (e.g. with tensor parallelism).")
-    if not 1 <= k <= group.world or group.world % k:
-        raise fail(f"reshard_after_forward={k} does not divide the {group.world} ranks parameters are "
-                   f"sharded over", f"Pass a divisor of {group.world}, e.g. the ranks per node.")
-    return k > 1, 1 if k == group.world else k  # k = world is True; k = 1 keeps everything
-
-
 def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forward: bool | int, shard_placement_fn,
                mp_policy: MixedPrecisionPolicy | None, offload_policy: OffloadPolicy | None,
                ignored: Iterable[nn.Parameter], dp_mesh_dims, exclude: Iterable[nn.Parameter],
@@ -247,16 +230,17 @@ def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forwa
     mp = mp_policy or MixedPrecisionPolicy()
     units = []
     for (group, part), uid in zip(parts, uids):
-        free, post_forward_world = after_forward(reshard_after_forward, group)
         options = UnitOptions(
-            free_after_forward=free,
-            post_forward_world=post_forward_world,
+            **after_forward(reshard_after_forward, group.world,
+                            group.mesh.size() == torch.distributed.get_world_size()),
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype,
             input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
             output_dtype=mp.output_dtype,
             offload=isinstance(offload_policy, CPUOffloadPolicy),
-            gather_block=mp.gather_block if mp.gather_dtype is torch.int8 else None,
+            gather_dtype=mp.gather_dtype,
+            gather_block=mp.gather_block,
+            reduce_send_dtype=mp.reduce_send_dtype,
             pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
         )
         units.append(Unit(modules, part, group, options, uid))

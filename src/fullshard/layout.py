@@ -1,7 +1,9 @@
 """UnitLayout: how a unit keeps its parameters. Each parameter's rows per rank; the dtypes it
 is kept in (its master's), computed in, reduced in and sent in; and the flat storage that
 holds the shards and the full parameters. Made when fully_shard makes the unit and again
-at Unit.relayout (a new device or dtypes), never during a step.
+at Unit.relayout: a move to another device or dtype, set_reshard_after_forward, or a meta
+unit's first real parameters assigned in place (taken at the start of the root's forward,
+before any unit gathers), never while a collective of the unit is in flight.
 
 # Note [bytes on the wire]: a unit's parameters may have several dtypes (a norm kept in
 # float32 among bf16 weights, frozen int8 weights beside trainable adapters). Each keeps
@@ -46,7 +48,7 @@ class UnitLayout:
         one = set(self.full_dtypes)
         # whether some parameter goes on the wire as something else than its full dtype (Note
         # [all-gather extensions], Note [int8 gathers]); then the gather moves bytes
-        self.transformed = any(self.extended) or options.gather_block is not None
+        self.transformed = any(self.extended) or options.gather_dtype is not None
         self.wire_dtype = one.pop() if len(one) == 1 and not self.transformed else torch.uint8 if one else \
             torch.float32
         self.extension_policy = TorchMixedPrecisionPolicy(  # what FSDP2 gives fsdp_pre_all_gather
@@ -73,7 +75,7 @@ class UnitLayout:
         # none when they can be the shards themselves (one rank, same dtype, same memory:
         # a CPU-offloaded shard is host memory, which a GPU does not compute with)
         same = (group.shard_pg is None and self.full_dtypes == self.master_dtypes and not any(self.extended)
-                and not runtime.active.separate_memory(shard_device, device, offloaded=options.offload))
+                and shard_device == device and not (options.offload and not runtime.active.host_memory(device)))
         if same:
             self.full_flat, self.full_bytes = None, 0
             return [(shard, None) for shard in self.shards]

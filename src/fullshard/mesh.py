@@ -5,8 +5,10 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,8 +55,17 @@ class ShardGroup:
         return self.world * self.replicas
 
 
-_subgroups: dict[tuple[tuple[int, ...], ...], dict[int, dist.ProcessGroup]] = {}
-_timed_groups: dict[timedelta, dist.ProcessGroup] = {}
+_derived: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mesh -> {key: what fullshard made of it}
+_timed_groups: dict[timedelta, dist.ProcessGroup] = {}  # of every rank: no mesh's, the process's
+
+
+def of_mesh(mesh: DeviceMesh, key, make: Callable[[], object]):
+    """What fullshard derives from `mesh` under `key` (its spanned dims, its smaller groups, its
+    join with a TP mesh): made once, kept with the mesh and dropped with it."""
+    derived = _derived.setdefault(mesh, {})
+    if key not in derived:
+        derived[key] = make()
+    return derived[key]
 
 
 def timed_group(timeout: timedelta) -> dist.ProcessGroup:
@@ -81,10 +92,8 @@ def _release_groups() -> None:
     # exception" from a gloo thread; 4 of 33 exits of 2-rank jobs with torch 2.13, none
     # of 90 with this). Collecting at exit, before the shutdown, frees them first.
     """
-    _subgroups.clear()
+    _derived.clear()
     _timed_groups.clear()
-    _spmd_meshes.clear()
-    _spans.clear()
     gc.collect()
 
 
@@ -100,11 +109,12 @@ def smaller_group(group: ShardGroup, size: int) -> dist.ProcessGroup | None:
     """
     if size == 1:
         return None
-    rows = group.mesh.mesh.reshape(-1, group.world).tolist()  # each row: one shard group's global ranks
-    blocks = tuple(tuple(row[i : i + size]) for row in rows for i in range(0, group.world, size))
-    if blocks not in _subgroups:
-        _subgroups[blocks] = {rank: pg for ranks in blocks for pg in [dist.new_group(list(ranks))] for rank in ranks}
-    return _subgroups[blocks].get(dist.get_rank())
+    def make() -> dict[int, dist.ProcessGroup]:
+        rows = group.mesh.mesh.reshape(-1, group.world).tolist()  # each row: one shard group's global ranks
+        blocks = [row[i : i + size] for row in rows for i in range(0, group.world, size)]
+        return {rank: pg for ranks in blocks for pg in [dist.new_group(ranks)] for rank in ranks}
+
+    return of_mesh(group.mesh, ("groups of", size), make).get(dist.get_rank())
 
 
 def default_device_type() -> str:
@@ -184,10 +194,6 @@ def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
     )
 
 
-_spmd_meshes: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
-_spans: dict[int, tuple[DeviceMesh, frozenset[int]]] = {}  # id(mesh) -> (mesh, the root dims it spans)
-
-
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh `mesh` was sliced from (itself if none), as each torch release offers it."""
     if hasattr(mesh, "_get_root_mesh"):  # torch 2.10 and newer
@@ -210,16 +216,16 @@ def spanned_dims(mesh: DeviceMesh) -> frozenset[int]:
     """The dims of `mesh`'s root mesh that it reaches along from this rank, found by ranks (so a
     flattened dim counts as the dims it joins); worked out once per mesh, when a unit is made:
     a mesh tensor read in a training step would look like a host sync."""
-    if id(mesh) not in _spans:
+    def make() -> frozenset[int]:
         root = root_mesh(mesh)
-        dims = frozenset(range(root.ndim))
-        if root is not mesh:
-            ranks, coordinate = set(mesh.mesh.flatten().tolist()), root.get_coordinate()
-            neighbours = {k: [*coordinate[:k], (coordinate[k] + 1) % root.size(k), *coordinate[k + 1 :]]
-                          for k in range(root.ndim) if root.size(k) > 1}
-            dims = frozenset(k for k, other in neighbours.items() if root.mesh[tuple(other)].item() in ranks)
-        _spans[id(mesh)] = (mesh, dims)
-    return _spans[id(mesh)][1]
+        if root is mesh:
+            return frozenset(range(root.ndim))
+        ranks, coordinate = set(mesh.mesh.flatten().tolist()), root.get_coordinate()
+        neighbours = {k: [*coordinate[:k], (coordinate[k] + 1) % root.size(k), *coordinate[k + 1 :]]
+                      for k in range(root.ndim) if root.size(k) > 1}
+        return frozenset(k for k, other in neighbours.items() if root.mesh[tuple(other)].item() in ranks)
+
+    return of_mesh(mesh, "spanned dims", make)
 
 
 def replica_dims(meshes: list[DeviceMesh]) -> dict[DeviceMesh, set[int]]:
@@ -262,11 +268,12 @@ def spmd_layout(group: ShardGroup, tp: DTensorSpec | None, zero_dim: bool,
 def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of both dims (dp's, then TP's), made once per pair; RuntimeError when they are
     not distinct dims of one mesh."""
-    key = (dp_mesh, tp_mesh)
-    if key not in _spmd_meshes:
-        _spmd_meshes[key] = concatenate([dp_mesh, tp_mesh], "fully_shard of tensor-parallel DTensors")
-        spanned_dims(_spmd_meshes[key])  # for clip_grad_norm_, now rather than in a training step
-    return _spmd_meshes[key]
+    def make() -> DeviceMesh:
+        joined = concatenate([dp_mesh, tp_mesh], "fully_shard of tensor-parallel DTensors")
+        spanned_dims(joined)  # for clip_grad_norm_, now rather than in a training step
+        return joined
+
+    return of_mesh(dp_mesh, ("joined with", tp_mesh), make)
 
 
 def spmd_dp_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, frozenset[int], str | None]:

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fullshard.errors import fail
 from fullshard.hooks import UnitHooks, hooks_on, normal_tensors, unit_hooks, units_under
+from fullshard.options import after_forward
 from fullshard.unit import Unit
 
 
@@ -163,12 +164,9 @@ class FSDPModule(TorchFSDPModule):
             reshard_after_forward: as ``fully_shard``'s, a bool.
             recurse: apply to every unit in this module's subtree.
         """
-        if not isinstance(reshard_after_forward, bool):
-            raise fail(f"set_reshard_after_forward({reshard_after_forward!r}) takes a bool",
-                       "Pass True or False (an int k is given to fully_shard).")
-        for unit in self._units(recurse):  # an int k given to fully_shard no longer applies
-            unit.relayout(options=dataclasses.replace(unit.options, free_after_forward=reshard_after_forward,
-                                              keep_last=not reshard_after_forward, post_forward_world=1))
+        fields = after_forward(reshard_after_forward, 1, True, setter=True)  # an int k given to fully_shard goes
+        for unit in self._units(recurse):
+            unit.relayout(options=dataclasses.replace(unit.options, **fields))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2's hint that the next backward ends an accumulation, accepted for its code: fullshard

@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from fullshard.errors import fail
+
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # of every collective until set_timeout, Note [named hangs]
 
 
@@ -26,12 +28,43 @@ class UnitOptions:
     output_dtype: torch.dtype | None = None  # floating forward outputs are cast to it
     offload: bool = False  # shards and their gradients live on the CPU
     pin_memory: bool = False
-    gather_block: int | None = None  # int8 gathers with a scale per this many values (Note [int8 gathers])
+    gather_dtype: torch.dtype | None = None  # int8 or float8: block-quantized gathers (Note [int8 gathers])
+    gather_block: int = 256  # values per scale of a quantized gather
+    reduce_send_dtype: torch.dtype | None = None  # Note [low-precision reductions]
+
+
+def after_forward(reshard_after_forward: bool | int | None, world: int, whole_world: bool,
+                  setter: bool = False) -> dict:
+    """The options fields for fully_shard's `reshard_after_forward` (or, with `setter`,
+    set_reshard_after_forward's bool, which frees even the unit that ran last, as FSDP2 does)
+    of a unit sharded over `world` ranks of a mesh that spans all ranks if `whole_world`."""
+    if setter and type(reshard_after_forward) is not bool:
+        raise fail(f"set_reshard_after_forward({reshard_after_forward!r}) takes a bool",
+                   "Pass True or False (an int k is given to fully_shard).")
+    if reshard_after_forward is None:  # FSDP2's default: free, except the root's (which fullshard always keeps)
+        reshard_after_forward = True
+    if type(reshard_after_forward) not in (bool, int):
+        raise fail(f"reshard_after_forward={reshard_after_forward!r} is not a bool or an int",
+                   "Pass True (free after forward), False (keep until after backward) or an int k (keep "
+                   "1/k after forward, gathered in backward inside groups of k ranks).")
+    if type(reshard_after_forward) is bool:
+        return dict(free_after_forward=reshard_after_forward, post_forward_world=1,
+                    keep_last=not (setter and reshard_after_forward))
+    k = reshard_after_forward
+    if k not in (1, world) and not whole_world:
+        raise fail(f"reshard_after_forward={k} on a data-parallel mesh of part of the ranks",
+                   "Pass True or False with a sub-mesh (e.g. with tensor parallelism).")
+    if not 1 <= k <= world or world % k:
+        raise fail(f"reshard_after_forward={k} does not divide the {world} ranks parameters are "
+                   f"sharded over", f"Pass a divisor of {world}, e.g. the ranks per node.")
+    # k = world is True; k = 1 keeps everything; between, Note [smaller world after forward]
+    return dict(free_after_forward=k > 1, post_forward_world=1 if k == world else k, keep_last=True)
 
 
 @dataclass(frozen=True)
 class UnitSwitches:
-    """What FSDP2's FSDPModule setters change on a unit, one field per setter."""
+    """What FSDP2's FSDPModule setters change on a unit: a field per setter, except
+    set_requires_gradient_sync, which sets both sync fields (as FSDP2's sets both of its)."""
 
     sync_grads: bool = True  # set_requires_gradient_sync: off, full gradients accumulate unreduced
     all_reduce_grads: bool = True  # set_requires_all_reduce: off, reduce within the group, owe the rest

@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from fullshard.collectives import full_tensor
+from fullshard.collectives import Caller, full_tensor
 from fullshard.errors import fail
 from fullshard.mesh import ShardGroup, spmd_layout
 
@@ -138,6 +138,7 @@ class ShardedParam:
         self.fqn = fqn
         self.dim = dim
         self.view = view
+        self.caller = Caller(f"the tensor-parallel collective of parameter {fqn!r}")  # its unit's timeout: Unit.switch
         self.slots = slots  # every (module, attribute) the parameter is registered under
         tp = original._spec if isinstance(original, DTensor) else None  # Note [tensor parallel parameters]
         self.tp_mesh = tp.mesh if tp else None
@@ -260,9 +261,9 @@ class ShardedParam:
 
     def whole(self, full_local: torch.Tensor) -> torch.Tensor:
         """A full value (of the parameter or its optimizer state) as a plain tensor of the
-        parameter's shape: gathered over the TP mesh (every rank of it must call), under the
-        process group's timeout as tensor parallelism's own collectives are."""
-        return full_tensor(self.on_tp_mesh(full_local)) if self.tp_mesh is not None else full_local
+        parameter's shape: gathered over the TP mesh (every rank of it must call), within its
+        unit's timeout (`caller`)."""
+        return full_tensor(self.on_tp_mesh(full_local), self.caller) if self.tp_mesh is not None else full_local
 
     def tp_part(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's TP part of a value of the parameter's whole shape (no communication)."""
@@ -348,7 +349,7 @@ class ShardedParam:
         if isinstance(full, DTensor):
             mesh, placements = self.forward_layout()
             same = full.device_mesh == mesh and tuple(full.placements) == placements
-            full = full.to_local() if same else self.tp_part(full_tensor(full))
+            full = full.to_local() if same else self.tp_part(full_tensor(full, self.caller))
         elif self.tp_mesh is not None:
             full = self.tp_part(full)
         return full if self.replicated else self.rows(full)[self.first_row : self.first_row + self.local_shape[0]]

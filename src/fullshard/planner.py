@@ -43,9 +43,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail, require
 from fullshard.gpt import GPT, GPTConfig
+from fullshard.low_precision import sent_bytes
 from fullshard.param import shard_numel
-from fullshard.quantize import GATHER_BLOCK, quantized_bytes
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.quantize import GATHER_BLOCK, quantized_bytes
 from fullshard.stats import process_memory
 from fullshard.wrap import choose_units, recompute, shard_model
 
@@ -91,7 +92,7 @@ HARDWARE = {
 }
 
 
-INT8_GAIN = 1.25  # how much faster int8 gathers must make a step to be chosen over exact ones
+INT8_GAIN = 1.25  # how much faster quantized gathers or reductions must make a step to be chosen over exact ones
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Candidate:
     checkpointing: bool  # activation checkpointing of each block
     offload: bool = False  # shards, gradients and optimizer state in host memory, the optimizer step on the host
     gather: str = "exact"  # "int8": block-quantized gathers (Note [int8 gathers]), which change numerics
+    reduce: str = "exact"  # "bf16" or "int8": rows sent so, summed in fp32 (Note [low-precision reductions])
     memory: dict[str, int] = field(default_factory=dict)  # bytes per rank, by part, at the peak
     host: int = 0  # host memory per rank that offloading takes
     peak: int = 0
@@ -117,8 +119,9 @@ class Candidate:
 
     def row(self) -> str:
         gather = "exact" if self.gather == "exact" else "int8 (changes numerics)"
+        reduce = "exact" if self.reduce == "exact" else f"{self.reduce} (changes numerics)"
         return (f"| {self.wrap} | {self.strategy} | {self.limit_all_gathers} | {self.precision} | "
-                f"{'yes' if self.checkpointing else 'no'} | {'yes' if self.offload else 'no'} | {gather} | "
+                f"{'yes' if self.checkpointing else 'no'} | {'yes' if self.offload else 'no'} | {gather} | {reduce} | "
                 f"{self.peak / 2**20:.0f} | {self.sent_intra / 2**20:.1f} | "
                 f"{self.sent_cross / 2**20:.1f} | {self.step_s:.3f} | {'yes' if self.fits else 'no'} |")
 
@@ -136,8 +139,9 @@ class Plan:
     tp: int = 1  # tensor-parallel ranks: fullshard shards over world_size // tp
 
     def table(self) -> str:
-        head = ("| wrap | strategy | limit | precision | checkpointing | offload | gathers | peak MB/rank | "
-                "sent in group MB | sent across MB | step s | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+        head = ("| wrap | strategy | limit | precision | checkpointing | offload | gathers | reductions | "
+                "peak MB/rank | sent in group MB | sent across MB | step s | fits |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         return head + "\n" + "\n".join(c.row() for c in self.candidates)
 
     def explain(self) -> str:
@@ -146,7 +150,8 @@ class Plan:
         return (f"chosen: wrap={c.wrap}, strategy={c.strategy}, limit_all_gathers={c.limit_all_gathers}, "
                 f"precision={c.precision}, checkpointing={'on' if c.checkpointing else 'off'}, "
                 f"offload={'on' if c.offload else 'off'}"
-                f"{', int8 gathers (they change numerics: Note [int8 gathers])' if c.gather == 'int8' else ''}: "
+                f"{', int8 gathers (they change numerics: Note [int8 gathers])' if c.gather == 'int8' else ''}"
+                f"{f', gradients sent in {c.reduce} (Note [low-precision reductions])' if c.reduce != 'exact' else ''}: "
                 f"the fastest predicted "
                 f"step ({c.step_s:.3f} s on {self.hardware.name}) of the {sum(x.fits for x in self.candidates)} "
                 f"candidates within {self.memory_budget / 2**20:.0f} MB per rank; peak {c.peak / 2**20:.0f} MB ({parts})")
@@ -338,6 +343,11 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
                 for u in units]
     else:
         wire = [n * compute for n in shard]
+    if c.reduce == "exact":  # what a rank sends each peer of each unit's reduce-scatter
+        sent_rows = [r * reduce_ for r in rows]
+    else:  # Note [low-precision reductions]
+        send = torch.int8 if c.reduce == "int8" else torch.bfloat16
+        sent_rows = [sent_bytes([shard_numel(s, F) for s in u.shards] + [u.trainable], send) for u in units]
     blocks = full[1:]  # the units below the root (none when the root is the only unit)
     big = max(blocks, default=0)
     S = sum(shard) * master
@@ -365,7 +375,7 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     gathers = [1] + [1 if keep_all or i == len(units) - 1 else 2 for i in range(1, len(units))] \
         if len(units) > 1 else [1]
     c.sent_intra = sum(g * (F - 1) * w for g, w in zip(gathers, wire)) + \
-        sum((F - 1) * r * reduce_ for r in rows) if F > 1 else 0
+        sum((F - 1) * r for r in sent_rows) if F > 1 else 0
     c.sent_cross = sum(2 * (R - 1) * r * reduce_ // R for r in rows) if R > 1 else 0
     c.collectives = (sum(gathers) + len(units) if F > 1 else 0) + (len(units) if R > 1 else 0)
     flops = (8 if c.checkpointing else 6) * param_count * tokens
@@ -581,9 +591,11 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
     states = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
     offloads = (False, True) if hw.host_bw else (False,)  # a CPU rank's memory is host memory already
     candidates = []
-    for wrap, strategy, limit, (prec, ck), offload, gather in itertools.product(wraps, strategies, (1, 2), acts,
-                                                                                offloads, ("exact", "int8")):
-        c = Candidate(wrap, strategy, limit, prec, ck, offload, gather)
+    for wrap, strategy, limit, (prec, ck), offload, gather, reduce in itertools.product(
+            wraps, strategies, (1, 2), acts, offloads, ("exact", "int8"), ("exact", "bf16", "int8")):
+        if reduce == "bf16" and prec == "bf16" or reduce != "exact" and strategy == "no_shard":
+            continue  # sends what an exact reduction sends (no_shard's all-reduce sends the reduce dtype)
+        c = Candidate(wrap, strategy, limit, prec, ck, offload, gather, reduce)
         cost(c, shapes[wrap], world=dp_world, acts=acts[(prec, ck)], optimizer_states=states, hardware=hw,
              tokens=batch * seq)
         c.fits = c.peak <= memory_budget and c.host <= hw.host_memory
@@ -596,10 +608,10 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
                    f"(wrap={least.wrap}, {least.strategy}, {least.precision}, checkpointing "
                    f"{'on' if least.checkpointing else 'off'}, offload {'on' if least.offload else 'off'})",
                    f"Give each rank at least {least.peak / 2**20:.0f} MB, use more ranks, or a smaller batch.")
-    # int8 gathers change numerics: chosen only when nothing exact fits, or when they make the
-    # step at least INT8_GAIN times faster (a step bound by the network)
+    # quantized gathers and reductions change numerics: chosen only when nothing exact fits, or
+    # when they make the step at least INT8_GAIN times faster (a step bound by the network)
     fastest = min(fitting, key=lambda c: (c.step_s, c.peak))
-    exact = [c for c in fitting if c.gather == "exact"]
+    exact = [c for c in fitting if c.gather == c.reduce == "exact"]
     chosen = fastest if not exact or fastest.step_s * INT8_GAIN <= min(c.step_s for c in exact) else \
         min(exact, key=lambda c: (c.step_s, c.peak))
     return Plan(chosen, candidates, world_size, int(memory_budget), hw, block, tp)
@@ -616,7 +628,9 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None) 
             'mesh_2d["tp"], plan)).')
     low = torch.bfloat16 if c.precision == "bf16" else None
     gather = torch.int8 if c.gather == "int8" else None
-    mp = MixedPrecisionPolicy(param_dtype=low, gather_dtype=gather) if low or gather else None
+    send = {"bf16": torch.bfloat16, "int8": torch.int8}.get(c.reduce)
+    mp = MixedPrecisionPolicy(param_dtype=low, gather_dtype=gather, reduce_send_dtype=send) \
+        if low or gather or send else None
     return shard_model(model, wrap={plan.block} if c.wrap == "blocks" else None, strategy=c.strategy,
                        mp_policy=mp, offload_policy=CPUOffloadPolicy() if c.offload else None,
                        limit_all_gathers=c.limit_all_gathers, forward_prefetch=True, mesh=mesh,

@@ -8,6 +8,11 @@ import torch
 
 from fullshard.errors import fail
 
+# what MixedPrecisionPolicy offers: block-quantized gathers (quantize.py), rows sent for a
+# float32 sum (low_precision.py)
+GATHER_DTYPES = tuple(getattr(torch, name) for name in ("int8", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+REDUCE_SEND_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -25,8 +30,16 @@ class MixedPrecisionPolicy:
             float32 scale per block of ``gather_block`` values, rebuilt in ``param_dtype``
             (Note [int8 gathers] in ``fullshard/quantize.py``): about half of bf16's bytes,
             forward and backward within half a quantization step of the masters, gradients
-            and masters exact. ``None`` sends ``param_dtype``.
-        gather_block: values per scale of an int8 gather.
+            and masters exact. ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` send the
+            same bytes with a float8 value per element (relative steps of 2**-4 or 2**-3,
+            for blocks of values of unlike sizes). ``None`` sends ``param_dtype``.
+        gather_block: values per scale of a quantized gather.
+        reduce_send_dtype: ``torch.bfloat16`` (or ``torch.float16``) sends each rank's
+            gradient rows in that dtype, ``torch.int8`` as int8 blocks of 256 values with a
+            float32 scale each; the receiving rank sums them in float32 and rounds once to
+            ``reduce_dtype`` (Note [low-precision reductions] in
+            ``fullshard/low_precision.py``): 0.5x (0.26x) of float32's bytes, with an error
+            that does not grow with the world, unlike a bf16 reduce-scatter's.
     """
 
     param_dtype: torch.dtype | None = None
@@ -35,11 +48,17 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     gather_dtype: torch.dtype | None = None
     gather_block: int = 256
+    reduce_send_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if self.gather_dtype not in (None, torch.int8):
+        if self.gather_dtype is not None and self.gather_dtype not in GATHER_DTYPES:
             raise fail(f"MixedPrecisionPolicy(gather_dtype={self.gather_dtype!r}) is not offered",
-                       "Pass gather_dtype=torch.int8 (block-quantized gathers) or None.")
+                       "Pass torch.int8, torch.float8_e4m3fn or torch.float8_e5m2 (block-quantized gathers), "
+                       "or None (gathers in param_dtype).")
+        if self.reduce_send_dtype is not None and self.reduce_send_dtype not in REDUCE_SEND_DTYPES:
+            raise fail(f"MixedPrecisionPolicy(reduce_send_dtype={self.reduce_send_dtype!r}) is not offered",
+                       "Pass torch.bfloat16 or torch.float16 (rows sent in that dtype) or torch.int8 (blocks "
+                       "with a scale each), all summed in float32; or None (rows sent in reduce_dtype).")
         if type(self.gather_block) is not int or not 1 <= self.gather_block <= 1 << 20:
             raise fail(f"MixedPrecisionPolicy(gather_block={self.gather_block!r}) must be an int from 1 to 2**20",
                        "Pass e.g. 256 (the default).")

@@ -1,5 +1,5 @@
-"""Block-quantized all-gathers: a parameter's shard goes on the wire as int8 with one scale
-per block of values, and is rebuilt in the full parameter's dtype.
+"""Block-quantized all-gathers: a parameter's shard goes on the wire as int8 (or float8) with
+one scale per block of values, and is rebuilt in the full parameter's dtype.
 
 # Note [int8 gathers]: with MixedPrecisionPolicy(gather_dtype=torch.int8), each floating-point
 # parameter's shard is sent as int8 in blocks of `gather_block` values (256 by default; the
@@ -13,6 +13,10 @@ per block of values, and is rebuilt in the full parameter's dtype.
 # both (the shard does not change between them, and rounding is deterministic). 0-d and
 # integer parameters go as they are. Under hybrid sharding the quantized gather is the one
 # inside the shard group; the traffic across groups is the gradients' all-reduce, exact.
+# gather_dtype=torch.float8_e4m3fn (or float8_e5m2) is the same with s = max|x| / 448 (57344)
+# and q = x / s rounded to that float8: the same bytes, a relative step of 2**-4 (2**-3) for
+# every value rather than an absolute one of s, which keeps the small values of a block whose
+# sizes differ widely.
 """
 
 from __future__ import annotations
@@ -39,11 +43,14 @@ class Quantized(Plain):
     def __init__(self, p: ShardedParam, full_dtype: torch.dtype, context: Context) -> None:
         super().__init__(p, full_dtype, context)
         self.block, self.world, device = context.options.gather_block, context.world, context.device
+        self.qdtype = context.options.gather_dtype
+        self.integer = not self.qdtype.is_floating_point
+        self.qmax = float(torch.iinfo(self.qdtype).max if self.integer else torch.finfo(self.qdtype).max)
         self.numel = p.shard_numel
         self.blocks = -(-self.numel // self.block)
-        self.dtypes, self.numels = [torch.int8, torch.float32], [self.numel, self.blocks]
-        # every rank's q ([world * numel] int8) and scales ([world * blocks] float32)
-        self.q = torch.empty(0, dtype=torch.int8, device=device)
+        self.dtypes, self.numels = [self.qdtype, torch.float32], [self.numel, self.blocks]
+        # every rank's q ([world * numel] int8 or float8) and scales ([world * blocks] float32)
+        self.q = torch.empty(0, dtype=self.qdtype, device=device)
         self.scales = torch.empty(0, dtype=torch.float32, device=device)
 
     def allocate(self, small: bool) -> None:
@@ -56,13 +63,16 @@ class Quantized(Plain):
                 runtime.active.allocated(buffer)
 
     def inputs(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's shard (flat, on the device) as int8 and one float32 scale per block."""
+        """This rank's shard (flat, on the device) as q and one float32 scale per block."""
         values = torch.zeros(self.blocks * self.block, dtype=torch.float32, device=shard.device)
         values[: self.numel].copy_(shard.reshape(-1))  # the last block padded with zeros, which are not sent
         blocks = values.view(self.blocks, self.block)
-        scales = blocks.abs().amax(dim=1) / 127
+        scales = blocks.abs().amax(dim=1) / self.qmax
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        q = blocks / scales[:, None]
+        if self.integer:
+            q.round_()
+        q = q.clamp_(-self.qmax, self.qmax).to(self.qdtype)  # float8: rounded to nearest by the cast
         return [q.view(-1)[: self.numel], scales]
 
     def outputs(self, small: bool) -> list[torch.Tensor]:
@@ -78,16 +88,23 @@ class Quantized(Plain):
         q = self.q.view(self.world, self.numel)
         whole = self.numel // self.block * self.block
         if whole:
-            out = full[:, :whole].view(self.world, -1, self.block)
-            torch.mul(q[:, :whole].view(self.world, -1, self.block), scales[:, : whole // self.block, None],
-                      out=out)
+            self.scaled(q[:, :whole].view(self.world, -1, self.block), scales[:, : whole // self.block, None],
+                        full[:, :whole].view(self.world, -1, self.block))
         if whole < self.numel:  # the last, shorter block
-            torch.mul(q[:, whole:], scales[:, -1:], out=full[:, whole:])
+            self.scaled(q[:, whole:], scales[:, -1:], full[:, whole:])
+
+    def scaled(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """out = q * scales (broadcast), computed in float32 and rounded once to out's dtype."""
+        if self.integer:
+            torch.mul(q, scales, out=out)
+        else:  # torch does not promote float8: its values fit out's dtype exactly
+            out.copy_(q)
+            out.mul_(scales)
 
     def free(self) -> None:
         for buffer in (self.q, self.scales):
             buffer.untyped_storage().resize_(0)
 
 
-register_format(lambda p, options: options.gather_block is not None and p.sharded.dtype.is_floating_point
+register_format(lambda p, options: options.gather_dtype is not None and p.sharded.dtype.is_floating_point
                 and not p.replicated and not p.extension, Quantized)

@@ -4,7 +4,8 @@ on the wire, the route, the averaging and the all-reduce across replicas; and th
 of the reduced row on the shards' gradients. Unit asks it to issue and to finish.
 
 A row format is a class with Exact's methods (low_precision.py: rows sent in bf16 or int8
-blocks, summed in float32 where they arrive), chosen by the unit's options (`row_format`).
+blocks, summed in float32 where they arrive), chosen by the unit's options
+(register_row_format).
 
 # Note [averaging]: gradients are averaged over the dp_size data-parallel ranks (divided by
 # a unit's set_gradient_divide_factor instead, when set). fp16 rows are divided before the
@@ -41,7 +42,7 @@ from fullshard.collectives import HEADERS, all_gather_ints, redistribute
 from fullshard.mesh import ShardGroup
 from fullshard.param import ShardedParam, local_values
 from fullshard.routes import BufferPool, Flight, all_reduce, check_headers, route_for
-from fullshard.runtime import CollectiveError, labelled
+from fullshard.runtime import Failing, labelled
 from fullshard.tags import described, header
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -74,8 +75,9 @@ class Exact:
 
     native = True  # the backend's own reduce-scatter may sum them
 
-    def __init__(self, dtype: torch.dtype, numel: int) -> None:
-        self.dtype, self.wire_dtype, self.wire_numel = dtype, dtype, numel
+    def __init__(self, dtype: torch.dtype, segments: list[int], options=None) -> None:
+        """`segments`: the row's parts, each parameter's row then the has-gradient flags."""
+        self.dtype, self.wire_dtype, self.wire_numel = dtype, dtype, sum(segments)
 
     def pack_into(self, payload: torch.Tensor, pool: BufferPool) -> torch.Tensor:
         """Where the rows ([world, numel] of the reduce dtype) are packed: the send buffer's payload itself."""
@@ -108,7 +110,7 @@ ROW_FORMATS: list[tuple] = []
 
 
 def register_row_format(applies, cls: type) -> None:
-    """Send the rows of units whose options satisfy `applies(options)` as `cls(dtype, numel,
+    """Send the rows of units whose options satisfy `applies(options)` as `cls(dtype, segments,
     options)` says (Exact's methods)."""
     ROW_FORMATS.insert(0, (applies, cls))
 
@@ -122,8 +124,8 @@ class ReducePlan:
         self.params, self.dtype, self.group, self.device = params, dtype, group, device
         self.numels = [p.shard_numel for p in params]
         self.row_numel = sum(self.numels) + len(params)  # [grad_shard_numel + n_flags]: a has-gradient flag each
-        cls = next((cls for applies, cls in ROW_FORMATS if applies(options)), None)
-        self.format = cls(dtype, self.row_numel, options) if cls is not None else Exact(dtype, self.row_numel)
+        cls = next((cls for applies, cls in ROW_FORMATS if applies(options)), Exact)
+        self.format = cls(dtype, [*self.numels, len(params)], options)
         shard_pg, replicate_pg = group.shard_pg, group.replicate_pg
         self.route = route_for(shard_pg, device, self.format.wire_numel, self.format.wire_dtype, uid=uid, kind=1,
                                native=self.format.native)
@@ -209,7 +211,7 @@ class ReducePlan:
                 before, after = self.route.finish(flight)
                 if self.sums_here:  # own row first, then the peers' in rank order, Note [averaging]
                     total = shard
-                    if shard.dtype in LOW_PRECISION or not self.format.native:  # round once
+                    if shard.dtype in LOW_PRECISION:  # summed in float32, rounded once
                         total = pool.take((shard.numel(),), torch.float32, self.device)  # [row_numel]
                         total.copy_(reducing.rows[self.route.rank] if reducing.rows is not None else shard)
                     for row in (*before, *after):
@@ -293,8 +295,9 @@ class Reductions:
 
     def hold(self) -> None:
         """A backward without gradient sync: the full gradients keep accumulating, in the reduce dtype."""
-        for p, dtype in zip(self.unit.params, self.unit.layout.reduce_dtypes):
-            hold_grad(p, dtype)
+        with Failing(self.unit, "sum of tensor-parallel gradients"):
+            for p, dtype in zip(self.unit.params, self.unit.layout.reduce_dtypes):
+                hold_grad(p, dtype)
         self.count_full_grads()
 
     def plans_for(self, trainable: tuple[bool, ...]) -> list[ReducePlan]:
@@ -318,7 +321,8 @@ class Reductions:
         if True not in trainable:
             return
         self.count_full_grads()
-        full_grads = {p: take_full_grad(p) for p, on in zip(self.unit.params, trainable) if on}
+        with Failing(self.unit, "sum of tensor-parallel gradients"):  # DTensor's, for a TP partial sum
+            full_grads = {p: take_full_grad(p) for p, on in zip(self.unit.params, trainable) if on}
         unit = self.unit
         if unit.switches.debug:  # every rank about to reduce this unit, with gradients for the same parameters
             mask = sum(1 << i for i, g in enumerate(full_grads.values()) if g is not None) % (1 << 62)
@@ -326,11 +330,9 @@ class Reductions:
         replicate = self.unit.switches.all_reduce_grads and not self.owes_all_reduce
         for plan in self.plans_for(trainable):
             with labelled(f"fullshard::reduce_scatter {self.unit.fqn}"):
-                try:  # no_shard on gloo: its all-reduce checks the replicas' headers at once
+                with Failing(self.unit, "reduce-scatter"):  # no_shard on gloo: its all-reduce checks the replicas' headers at once
                     reducing = plan.issue([full_grads.pop(p) for p in plan.params], self.unit.pool, replicate,
                                           self.unit.what("reduce-scatter"), self.unit.timeout)
-                except CollectiveError as e:
-                    raise self.unit.failed("reduce-scatter", e) from None
             self.in_flight.append((plan, reducing))
         self.count_full_grads(full_grad_bytes(self.unit.params, frozen_only=True))
 
@@ -346,10 +348,8 @@ class Reductions:
         """`finish` for one reduce plan's row."""
         start = time.perf_counter()
         with labelled(f"fullshard::wait reduce {self.unit.fqn}"):
-            try:
+            with Failing(self.unit, "reduce-scatter"):
                 row = plan.finish(reducing, self.unit.pool)  # [grad_shard_numel + n_flags], on the compute stream
-            except CollectiveError as e:
-                raise self.unit.failed("reduce-scatter", e) from None
         counts = self.unit.counts
         counts["wait_s"] += time.perf_counter() - start
         flags_at = row.numel() - len(plan.params)
@@ -393,11 +393,9 @@ class Reductions:
             return False
         self.owes_all_reduce = False
         collective = "all-reduce across replicas"
-        try:
+        with Failing(self.unit, collective):
             nbytes, back = owed_all_reduce([p for p in self.unit.params if p.sharded.requires_grad], self.unit.group,
                                            self.unit.compute_device, self.unit.uid, self.unit.what(collective), self.unit.timeout)
-        except CollectiveError as e:
-            raise self.unit.failed(collective, e) from None
         self.unit.counts["all_reduces"] += 1
         self.unit.counts["all_reduce_bytes"] += nbytes
         return back
@@ -511,7 +509,7 @@ def take_full_grad(p: ShardedParam) -> torch.Tensor | None:
             spec, dp_dims = p.view
             want = tuple(grad.placements[i] if i in dp_dims else q for i, q in enumerate(spec.placements))
         if tuple(grad.placements) != want:
-            grad = redistribute(grad, want)
+            grad = redistribute(grad, want, p.caller)
         grad = grad.to_local()
     if grad is not None and p.dim:
         grad = grad.movedim(p.dim, 0)

@@ -1,7 +1,6 @@
-"""Root: the units under one root, as one step runs them: the start of each forward, the order
-units gather ahead of use (Note [prefetch], hooks.py), the final callback at the end of
-backward (Note [backward triggers]), and what every unit under the root shares (its buffers,
-its memory meter, its statistics)."""
+"""Root: the units under one root, as one step runs them: the start of each forward, the final
+callback at the end of backward (Note [backward triggers]), and what every unit under the root
+shares (its buffers, its memory meter, its statistics, the scheduler hooks.py makes for it)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,8 @@ from torch.autograd import Variable
 from fullshard import runtime
 from fullshard.collectives import all_gather_ints, site
 from fullshard.errors import fail
-from fullshard.options import Schedule
 from fullshard.routes import BufferPool
-from fullshard.runtime import CollectiveError, labelled
+from fullshard.runtime import Failing, labelled
 from fullshard.stats import Stats, new_meter
 from fullshard.tags import described
 from fullshard.unit import ShardState, Unit
@@ -27,9 +25,9 @@ class Root:
     """What the units under one root share (the scheduler, buffers, stats) and what happens once
     per step for all of them: the start of forward, the final callback of backward."""
 
-    def __init__(self, units: list, schedule: Schedule) -> None:
+    def __init__(self, units: list, scheduler) -> None:
         self.units = units  # every unit's UnitHooks (hooks.py, which makes the root), the root's first
-        self.scheduler = Scheduler(schedule)
+        self.scheduler = scheduler  # hooks.Scheduler: the prefetch order and the reduction in flight
         self.pool = BufferPool()
         self.meter = new_meter()  # full parameter and gradient bytes alive, and their peaks (Unit.metered)
         self.stats = Stats(self)
@@ -61,11 +59,9 @@ class Root:
         # the shard group only: forward communicates nowhere else (no_shard's forward, evaluation
         # on one rank included, needs no peer; its reductions check their headers)
         for group in [root.group.shard_pg] if root.group.shard_pg is not None else []:
-            try:
+            with Failing(root, "check of the first forward"):
                 everyone = all_gather_ints([torch.is_grad_enabled(), root.uid], device=root.group.device,
                                            timeout=root.timeout, group=group, what=FIRST_FORWARD)
-            except CollectiveError as e:
-                raise root.failed("check of the first forward", e) from None
             if len(set(map(tuple, everyone))) > 1:
                 ranks = dist.get_process_group_ranks(group)
                 seen = "; ".join(f"rank {ranks[r]}: {described(uid, whole_model=True)}, "
@@ -114,11 +110,9 @@ class Root:
     def host_waits(self, what: str) -> None:
         """The host waits for the compute stream (Note [host syncs]), bounded by the root's timeout."""
         unit = self.units[0].unit
-        try:
+        with Failing(unit, "end of backward"):
             runtime.active.host_waits(unit.compute_device, timeout=unit.timeout,
                                       what=f"{what} at the end of backward of step {self.step}")
-        except CollectiveError as e:
-            raise unit.failed("end of backward", e) from None
 
     def settle_nonfinite(self) -> None:
         """With a non-finite policy on some unit, every rank learns whether any rank's reduced
@@ -135,11 +129,9 @@ class Root:
             if other.grads.finite is not None:
                 bad = torch.where(other.grads.finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
             other.grads.clear_finite()
-        try:
+        with Failing(unit, "non-finite check"):
             codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout,
                                                          what=NONFINITE)]
-        except CollectiveError as e:
-            raise unit.failed("non-finite check", e) from None
         if all(code < 0 for code in codes):
             return
         for hooks in self.units:  # skipped, or cleared before raising: a caller that catches the error and
@@ -166,72 +158,3 @@ class Root:
             hooks.reset()
         self.scheduler.end_backward()
         self.callback_queued = False
-
-
-class Scheduler:
-    """The forward order (recorded each step, reversed for backward), the limiter and the
-    reduction in flight. Orders are lists with a position map, so each lookup is O(1)."""
-
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
-        self.order: list[Unit] = []  # this step's forward order, first calls only
-        self.position: dict[Unit, int] = {}  # index in `order`
-        self.last_order: list[Unit] = []
-        self.last_position: dict[Unit, int] = {}
-        self.ahead: dict[Unit, None] = {}  # gathered ahead of use, not used yet (insertion-ordered)
-        self.reducing: Unit | None = None  # the unit whose reduction is in flight
-
-    def start_forward(self) -> None:
-        if self.order:
-            self.last_order, self.last_position = self.order, self.position
-            self.order, self.position = [], {}
-
-    def record(self, unit: Unit) -> None:
-        """`unit` starts its forward or backward: it is no longer ahead of use."""
-        self.ahead.pop(unit, None)
-        if unit not in self.position:
-            self.position[unit] = len(self.order)
-            self.order.append(unit)
-
-    def prefetch(self, targets: list[Unit], *, limited: bool) -> None:
-        limit = self.schedule.limit if limited else None
-        for target in targets:
-            if limit is not None and len(self.ahead) >= limit:
-                return
-            if target.state is ShardState.SHARDED:
-                target.unshard(adopt=False)  # the root scanned for replaced parameters, Note [replaced parameters]
-                self.ahead[target] = None
-
-    def prefetch_forward(self, unit: Unit, targets: list[Unit] | None) -> None:
-        """Before `unit`'s forward: its explicit targets, or those after it in the last forward."""
-        if targets is not None:
-            self.prefetch(targets, limited=False)
-        elif self.schedule.forward_prefetch and unit in self.last_position:
-            self.prefetch(self.last_order[self.last_position[unit] + 1 :], limited=True)
-
-    def prefetch_backward(self, unit: Unit, targets: list[Unit] | None) -> None:
-        """Around `unit`'s backward: its explicit targets, or those before it in this forward, nearest first."""
-        if targets is not None:
-            self.prefetch(targets, limited=False)
-        elif unit in self.position:
-            self.prefetch(self.order[self.position[unit] - 1 :: -1] if self.position[unit] else [], limited=True)
-
-    def ran_last(self, unit: Unit) -> bool:
-        """Whether `unit` was the last to start its forward in the previous step."""
-        return bool(self.last_order) and self.last_order[-1] is unit
-
-    def drop_unused_prefetches(self) -> None:
-        """End of forward: units prefetched but never run (the order changed) are freed."""
-        for unit in self.ahead:
-            unit.reshard()
-        self.ahead.clear()
-
-    def reduce_issued(self, unit: Unit) -> None:
-        """`unit`'s reduction is in flight: wait for the one issued before it."""
-        if self.reducing is not None and self.reducing is not unit:
-            self.reducing.grads.finish()
-        self.reducing = unit
-
-    def end_backward(self) -> None:
-        self.drop_unused_prefetches()
-        self.reducing = None

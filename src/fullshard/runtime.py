@@ -1,11 +1,13 @@
 """The accelerator seam: every stream, event, collective wait and host transfer of fullshard.
 
-`runtime.active` forwards to torch.cuda on GPUs and does nothing but wait on the CPU.
-A test can install another object with the same methods (fullshard/testing/stream_model.py models
-CUDA's streams on the CPU and records, per buffer, the stream of every read, write and
-free), which is how the ordering below is checked without a GPU. The hot path calls
-`reads`, `writes`, `allocated` and `freed` at the points where a buffer changes hands
-between streams; here they are no-ops. Note [streams] and Note [host syncs] below.
+`runtime.active` forwards to torch.cuda on GPUs and does nothing but wait on the CPU; it
+also says what a device and a group are (`host_memory`, `backend`), which the plans read
+once when they choose their routes. A test can install another object with the same
+methods (fullshard/testing/stream_model.py models CUDA's streams on the CPU and sees every
+kernel through a dispatch mode, recording per buffer the stream of each read, write and
+free), which is how the ordering below is checked without a GPU. Training makes no call for
+that model: what only it needs (`launched`, `allocated`, `freed`) is called when the
+runtime `tracks`. Note [streams] and Note [host syncs] below.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+from fullshard.errors import CollectiveError
 
 log = logging.getLogger("fullshard")
 
@@ -65,8 +69,23 @@ def abandon(works: list) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # a reference no interpreter teardown drops
 
 
-class CollectiveError(RuntimeError):
-    """A collective that failed or did not finish within its timeout."""
+class Failing:
+    """`with Failing(unit, "all-gather"):` around a unit's collective or host wait: the one path
+    by which the CollectiveError this seam raises becomes the unit's named FullShardError
+    (Unit.failed)."""
+
+    __slots__ = ("unit", "collective")
+
+    def __init__(self, unit, collective: str) -> None:
+        self.unit, self.collective = unit, collective
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, CollectiveError):
+            raise self.unit.failed(self.collective, error) from None
+        return False
 
 
 class MismatchedRows(CollectiveError):
@@ -321,11 +340,6 @@ class Runtime:
         if tensor.device.type == "cuda":
             self.host_waits(tensor.device, timeout=timeout, what=what)
         return tensor.tolist()
-
-    def separate_memory(self, shard_device: torch.device, compute_device: torch.device, *, offloaded: bool) -> bool:
-        """Whether shards kept on `shard_device` (`offloaded`: by CPU offload) must be copied
-        to compute on `compute_device`, or can be the full parameters themselves."""
-        return shard_device != compute_device
 
 
 active = Runtime()

@@ -16,13 +16,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard import runtime
-from fullshard.collectives import full_tensor
+from fullshard.collectives import Caller, full_tensor
 from fullshard.errors import fail, require
 from fullshard.gather import gather_state, gather_whole
 from fullshard.hooks import normal_tensors, units_of, units_under
 from fullshard.mesh import compute_device
-from fullshard.param import ShardedParam
-from fullshard.param import sharded_params
+from fullshard.param import ShardedParam, sharded_params
 from fullshard.unit import Unit
 
 # Note [loaded dtypes]: a dtype a file names is one of LOADABLE (the plain numeric dtypes and
@@ -138,7 +137,7 @@ def full_model_state(model: nn.Module, *, cpu_offload: bool, keep: bool) -> dict
     return out
 
 
-def full_value(value: DTensor, device: torch.device) -> torch.Tensor:
+def full_value(value: DTensor, device: torch.device, caller: Caller) -> torch.Tensor:
     """`value` gathered whole, sent from `device`'s memory: NCCL cannot send the host memory
     that CPU offload keeps optimizer state in."""
     local = value.to_local()
@@ -146,7 +145,7 @@ def full_value(value: DTensor, device: torch.device) -> torch.Tensor:
     if moved is not local:
         value = DTensor.from_local(moved, value.device_mesh, value.placements, run_check=False, shape=value.shape,
                                    stride=value.stride())
-    return full_tensor(value)
+    return full_tensor(value, caller)
 
 
 def full_state_value(value: DTensor, unit: Unit, param: ShardedParam, what: str) -> torch.Tensor:
@@ -246,6 +245,7 @@ def load_model_state(model: nn.Module, model_sd: Mapping[str, torch.Tensor]) -> 
     reshard_all(model)
     entries = state_entries(model)
     check_names_and_shapes(entries, {k: v.shape for k, v in model_sd.items()}, "state dict")
+    timeout = units_under(model)[0].timeout  # of DTensor's collectives (a buffer given as a DTensor)
     done: set[int] = set()
     with torch.no_grad():
         for name, entry in entries.items():
@@ -254,7 +254,8 @@ def load_model_state(model: nn.Module, model_sd: Mapping[str, torch.Tensor]) -> 
             done.add(id(entry))
             value = model_sd[name]
             if not isinstance(entry, ShardedParam):
-                value_of(entry).copy_(full_tensor(value) if isinstance(value, DTensor) else value)
+                value_of(entry).copy_(full_tensor(value, Caller(f"the all-gather of {name!r} of a state dict", timeout))
+                                      if isinstance(value, DTensor) else value)
             else:
                 entry.write_back(value)
     reshard_all(model)
@@ -311,7 +312,7 @@ def shard_like(param: nn.Parameter, sharded: ShardedParam | None, value: Any) ->
     if sharded is None or value.shape != param.shape or value.dim() == 0 and not sharded.replicated:
         return value.detach().clone()
     if isinstance(value, DTensor) and not sharded.laid_out_as_shard(value):
-        value = full_value(value, compute_device(sharded.mesh.device_type))
+        value = full_value(value, compute_device(sharded.mesh.device_type), sharded.caller)
     return sharded.as_dtensor(sharded.rows_of(value).detach().to(sharded.local_shard().device).clone())
 
 
@@ -329,19 +330,39 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         optimizer: its optimizer, or None.
         model_sd: under the unwrapped model's names; full tensors or DTensors.
         optim_sd: ``{"state": {name: {...}}, "param_groups": [...]}``, or None.
-        full: accepted for FSDP2's code; full tensors and DTensors load alike.
+        full: what `model_sd` holds, as get_state_dict's `full` made it: full tensors
+            (``True``) or the parameters' DTensor shards (``False``). Optimizer state loads
+            from either.
 
     Raises:
-        FullShardError: before anything is copied, on names or shapes that do not fit.
+        FullShardError: before anything is copied, on names or shapes that do not fit, or
+            values of the other kind than `full` says.
     """
     check_optimizer(optimizer)
+    require(type(full) is bool, f"set_state_dict(full={full!r}) must be True or False", "Pass full=True.")
     require(isinstance(model_sd, Mapping), f"model_sd must be a mapping of names to tensors, got {type(model_sd).__name__}",
             "Pass the model state dict from get_state_dict (or model.state_dict() of the unwrapped model).")
+    check_kind(model, model_sd, full)
     require(optim_sd is None or isinstance(optim_sd, Mapping) and optimizer is not None,
             "optim_sd was given without an optimizer, or is not a mapping", "Pass both optimizer= and optim_sd=.")
     load_model_state(model, model_sd)
     if optimizer is not None and optim_sd:
         load_optimizer_state(model, optimizer, optim_sd)
+
+
+def check_kind(model: nn.Module, model_sd: Mapping[str, Any], full: bool) -> None:
+    """set_state_dict's `full` against the values: no DTensor in a full state dict, a DTensor
+    for every sharded parameter in a sharded one."""
+    if full:
+        name = next((name for name, value in model_sd.items() if isinstance(value, DTensor)), None)
+        require(name is None, f"set_state_dict(full=True) got a DTensor for {name!r}, a sharded state dict's value",
+                "For get_state_dict(full=False)'s dicts pass full=False.")
+        return
+    entries = state_entries(model)
+    name = next((name for name, value in model_sd.items()
+                 if isinstance(entries.get(name), ShardedParam) and not isinstance(value, DTensor)), None)
+    require(name is None, f"set_state_dict(full=False) got a plain tensor for parameter {name!r}, a full state "
+            "dict's value", "For full state dicts (get_state_dict(full=True), or the unwrapped model's) pass full=True.")
 
 
 @normal_tensors

@@ -15,14 +15,13 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fullshard import runtime
 from fullshard.collectives import all_reduce_
+from fullshard.errors import CollectiveError, collective_failed, fail, require
 from fullshard.gather import gather_masters
-from fullshard.errors import collective_failed, fail, require
-from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.hooks import Phase, hooks_for, ordinary_tensors, unit_hooks, units_of
 from fullshard.mesh import counted_copy, replica_dims
+from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.param import local_values
 from fullshard.stats import Stats
-from fullshard.runtime import CollectiveError
 from fullshard.tags import unit_of
 from fullshard.unit import ShardState, Unit
 

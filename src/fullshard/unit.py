@@ -35,14 +35,14 @@ from torch import nn
 from fullshard import extension, low_precision, quantize, runtime  # noqa: F401 (the formats register)
 from fullshard.checks import check_next_collective
 from fullshard.errors import DIVERGED, FullShardError, collective_failed, fail, replaced_while_full
-from fullshard.gather import Context, GatherPlan, Gathering, format_for
+from fullshard.gather import Context, Gathering, GatherPlan, format_for
 from fullshard.layout import UnitLayout
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
 from fullshard.param import OwnedParam, ShardedParam, has_extension, local_values, rows_first, shard_numel
 from fullshard.reduce import Reductions
 from fullshard.routes import BufferPool
-from fullshard.runtime import CollectiveError, MismatchedRows, labelled
+from fullshard.runtime import Failing, MismatchedRows, labelled
 from fullshard.stats import new_counts, new_meter
 from fullshard.tags import KINDS, UNITS, described, sent_by
 
@@ -103,6 +103,8 @@ class Unit:
         """Change switches (FSDP2's setters): a new UnitSwitches with these fields."""
         self.switches = dataclasses.replace(self.switches, **fields)
         self.grads.plans.clear()  # the averaging follows the divide factor and force_sum
+        for p in self.params:  # DTensor's collectives of tensor-parallel parameters: within the unit's timeout
+            p.caller = dataclasses.replace(p.caller, timeout=self.timeout)
 
     def make_plans(self) -> None:
         """The gather plans (a unit whose shards are its full parameters has none: Note [stable
@@ -218,10 +220,8 @@ class Unit:
         small = self.small_gather is not None and self.small_gather.kept is not None
         plan = self.small_gather if small else self.gather
         with labelled(f"fullshard::gather {self.fqn}"):
-            try:
+            with Failing(self, "all-gather"):
                 self.gathering = plan.issue(self.layout.shards, self.pool, self.what("all-gather"), self.timeout)
-            except CollectiveError as e:
-                raise self.failed("all-gather", e) from None
         self.gathering_plan = plan
         self.metered(0, self.layout.full_bytes)
         self.move(ShardState.GATHERING, ShardState.SHARDED)
@@ -260,10 +260,8 @@ class Unit:
         """Wait for the gather in flight into the full parameters; drop the copy it gathered from."""
         plan, gathering = self.gathering_plan, self.gathering
         self.gathering = None
-        try:
+        with Failing(self, "all-gather"):
             plan.finish(gathering, self.pool)
-        except CollectiveError as e:
-            raise self.failed("all-gather", e) from None
         self.move(ShardState.SHARDED, ShardState.GATHERING)  # gathered into storage the modules do not hold yet
         if plan.small:  # the copy it gathered from
             self.metered(0, -plan.drop())

@@ -58,8 +58,11 @@ class TrainConfig:
     strategy: str = opt("full_shard", "full_shard, shard_grad_op, hybrid_shard or no_shard")
     wrap: str = opt("block", "units: 'block' (each GPT block), 'none' (one unit) or a parameter count")
     precision: str = opt("fp32", "fp32, bf16 or fp16 (fp32 masters; fp16 with loss scaling)")
-    gather: str = opt("exact", "'exact' (parameters gathered in the compute dtype) or 'int8' (block-quantized, "
-                               "about half of bf16's bytes; changes forward's weights slightly: docs/precision.md)")
+    gather: str = opt("exact", "'exact' (parameters gathered in the compute dtype), 'int8' or 'float8' (block-"
+                               "quantized, about half of bf16's bytes; changes forward's weights slightly: "
+                               "docs/precision.md)")
+    reduce: str = opt("exact", "'exact' (gradients reduced in the compute dtype), 'bf16' or 'int8' (sent in that "
+                               "format, summed in fp32: 0.5x or 0.26x of fp32's bytes; docs/precision.md)")
     cpu_offload: bool = opt(False, "keep shards, gradients and the optimizer step on the CPU")
     backward_prefetch: str = opt("pre", "pre, post or none")
     forward_prefetch: bool = opt(True, "gather the next unit before it runs in forward")
@@ -120,7 +123,8 @@ def choice_problem(cfg: TrainConfig) -> str | None:
 
     choices = {"preset": tuple(PRESETS), "strategy": tuple(STRATEGIES), "precision": ("fp32", "bf16", "fp16"),
                "nonfinite": ("raise", "skip", "off"), "backward_prefetch": ("pre", "post", "none"),
-               "plan": ("off", "auto"), "gather": ("exact", "int8")}
+               "plan": ("off", "auto"), "gather": ("exact", "int8", "float8"),
+               "reduce": ("exact", "bf16", "int8")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             return f"unknown {flag(name)} {getattr(cfg, name)!r}; choose one of {', '.join(allowed)}"

@@ -26,14 +26,13 @@ import torch.distributed as dist
 
 import fullshard
 from fullshard import runtime
-from fullshard.collectives import all_reduce_
+from fullshard.cli.config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes
 from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
-from fullshard.errors import FullShardError, collective_failed
-from fullshard.gpt import GPT, Block, GPTConfig
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.cli.run_log import open_log, plot, read_rows, summary
-from fullshard.runtime import CollectiveError
-from fullshard.cli.config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes
+from fullshard.collectives import all_reduce_
+from fullshard.errors import CollectiveError, FullShardError, collective_failed
+from fullshard.gpt import GPT, Block, GPTConfig
 
 NCCL_WATCHDOG_GRACE = timedelta(seconds=60)  # Note [cli deadlines]
 
@@ -164,15 +163,17 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, devic
             print(plan.explain(), flush=True)
         return f"planned: {plan.chosen.strategy}, {plan.chosen.precision}"
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-    gather = torch.int8 if cfg.gather == "int8" else None
+    gather = {"int8": torch.int8, "float8": torch.float8_e4m3fn}.get(cfg.gather)
+    send = {"bf16": torch.bfloat16, "int8": torch.int8}.get(cfg.reduce)
     fullshard.shard_model(
         model, wrap={Block} if cfg.wrap == "block" else None if cfg.wrap == "none" else int(cfg.wrap),
-        strategy=cfg.strategy, mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=low, gather_dtype=gather)
-        if low or gather else None,
+        strategy=cfg.strategy, mp_policy=fullshard.MixedPrecisionPolicy(
+            param_dtype=low, gather_dtype=gather, reduce_send_dtype=send) if low or gather or send else None,
         offload_policy=fullshard.CPUOffloadPolicy() if cfg.cpu_offload else None,
         backward_prefetch=None if cfg.backward_prefetch == "none" else cfg.backward_prefetch,
         forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None)
-    return f"{cfg.strategy}, {cfg.precision}" + (", int8 gathers" if gather else "")
+    return f"{cfg.strategy}, {cfg.precision}" + (f", {cfg.gather} gathers" if gather else "") + \
+        (f", gradients sent in {cfg.reduce}" if send else "")
 
 
 def resume(run: Run, ckpt: Path) -> int:

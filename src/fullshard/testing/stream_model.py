@@ -346,10 +346,6 @@ class StreamModel:
     def is_host(self, tensor: torch.Tensor) -> bool:
         return local_values(tensor).untyped_storage()._cdata in self.host_storages
 
-    def separate_memory(self, shard_device: torch.device, compute_device: torch.device, *, offloaded: bool) -> bool:
-        """The model pretends to be a GPU: offloaded shards are host memory, never the full parameters."""
-        return offloaded or shard_device != compute_device
-
     def elsewhere(self, tensor: torch.Tensor, device: torch.device) -> bool:
         return self.buffer(tensor).host or tensor.device != device
 
