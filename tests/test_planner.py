@@ -230,3 +230,53 @@ def test_plan_command_and_train_with_an_automatic_plan(tmp_path, capsys):
                              env=env, capture_output=True, text=True, timeout=300)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "chosen:" in trained.stdout
+
+
+def muon_job() -> dict:
+    """A Muon step on a GPT sharded per block (the recipe: muon_groups, AdamW for the rest):
+    the bytes its all_to_alls send from this rank, and its optimizer state's bytes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fullshard.optim import Muon, muon_groups
+
+    torch.manual_seed(0)
+    model = fullshard.shard_model(GPT(GPTConfig(block_size=128, vocab_size=256, **PRESETS["tiny"])), wrap={Block})
+    matrices, rest = muon_groups(model)
+    optimizer = Muon([{"params": matrices}, {"params": rest, "use_muon": False}], lr=0.02)
+    rank = dist.get_rank()
+
+    class Sent(TorchDispatchMode):
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("alltoall_base"):
+                self.bytes += sum(args[3]) - args[3][rank]  # (output, input, output splits, input splits, ...)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(rank))
+    model(x[:, :-1], x[:, 1:]).backward()
+    with Sent() as sent:
+        optimizer.step()
+    state = sum(v._local_tensor.numel() * v._local_tensor.element_size() for s in optimizer.state.values()
+                for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+    return {"sent": sent.bytes, "state": state}
+
+
+def test_muon_is_priced_by_its_exchange_and_its_state(world2):
+    got = world2.run(muon_job)
+    plans = {kind: predicted_kind("tiny", kind) for kind in ("adamw", "muon")}
+    muon, adamw = plans["muon"], plans["adamw"]
+    # bytes: a rank sends its rows of the other's matrices and the other's rows of its updates;
+    # which rank owns what decides a rank's share, the two ranks' mean is the prediction
+    assert sum(g["sent"] for g in got) / 2 == muon.sent_optimizer > 0 and adamw.sent_optimizer == 0
+    # state: one momentum buffer per matrix element, AdamW's two for the rest, as predicted
+    assert abs(sum(g["state"] for g in got) / 2 - muon.memory["optimizer"]) <= 0.01 * muon.memory["optimizer"], \
+        (got, muon.memory)
+    assert muon.memory["optimizer"] < adamw.memory["optimizer"] and muon.step_s > adamw.step_s
+
+
+def predicted_kind(preset: str, optimizer: str):
+    plan = fullshard.plan(meta_gpt(preset), world_size=2, memory_budget=1e15, batch=2, seq=128,
+                          precisions=("fp32",), strategies=("full_shard",), hardware=CPU, optimizer=optimizer)
+    return next(c for c in plan.candidates if c.wrap == "blocks" and c.limit_all_gathers == 2 and not c.checkpointing
+                and c.gather == c.reduce == "exact")

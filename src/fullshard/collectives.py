@@ -134,6 +134,19 @@ def barrier(timeout: timedelta, what: str) -> None:
              on_device=False)
 
 
+def all_to_all_bytes(send: list[list[torch.Tensor]], sizes: list[int], device: torch.device,
+                     group: dist.ProcessGroup, caller: Caller) -> list[torch.Tensor]:
+    """One all_to_all of bytes over `group`: the uint8 tensors send[r] to group rank r, sizes[r]
+    bytes from it, returned per rank (a matrix optimizer's rows to their owners and back).
+    What is sent is copied once, into the one buffer the collective reads."""
+    parts = [t for to_rank in send for t in to_rank]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    works = launched([dist.all_to_all_single(out, flat, sizes, [sum(t.numel() for t in to_rank) for to_rank in send],
+                                             group=group, async_op=True)], reads=[flat], writes=[out])
+    wait_all(works, caller, on_device=flat.device.type == "cuda")
+    return list(out.split(sizes))
+
 
 def redistribute(value, placements: tuple, caller: Caller):
     """A DTensor gradient (a tensor-parallel partial sum) in `placements`: DTensor's own

@@ -44,6 +44,7 @@ from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail, require
 from fullshard.gpt import GPT, GPTConfig
 from fullshard.low_precision import sent_bytes
+from fullshard.optim import muon_groups, newton_schulz_flops
 from fullshard.param import shard_numel
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.quantize import GATHER_BLOCK, quantized_bytes
@@ -112,6 +113,7 @@ class Candidate:
     peak: int = 0
     sent_intra: int = 0  # bytes a rank sends per step inside its shard group
     sent_cross: int = 0  # across replicas
+    sent_optimizer: int = 0  # by a matrix optimizer's exchange (Muon: Note [matrix optimizers]), inside the group
     collectives: int = 0
     compute_s: float = 0.0  # of the step, communication aside
     step_s: float = 0.0
@@ -151,7 +153,8 @@ class Plan:
                 f"precision={c.precision}, checkpointing={'on' if c.checkpointing else 'off'}, "
                 f"offload={'on' if c.offload else 'off'}"
                 f"{', int8 gathers (they change numerics: Note [int8 gathers])' if c.gather == 'int8' else ''}"
-                f"{f', gradients sent in {c.reduce} (Note [low-precision reductions])' if c.reduce != 'exact' else ''}: "
+                f"{f', gradients sent in {c.reduce} (Note [low-precision reductions])' if c.reduce != 'exact' else ''}"
+                f"{f', Muon exchanging {c.sent_optimizer / 2**20:.1f} MB' if c.sent_optimizer else ''}: "
                 f"the fastest predicted "
                 f"step ({c.step_s:.3f} s on {self.hardware.name}) of the {sum(x.fits for x in self.candidates)} "
                 f"candidates within {self.memory_budget / 2**20:.0f} MB per rank; peak {c.peak / 2**20:.0f} MB ({parts})")
@@ -325,9 +328,11 @@ def tp_local_shapes(model: nn.Module, tp: int, tp_plan: dict | None) -> dict[nn.
     return out
 
 
-def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimizer_states: int,
-         hardware: Hardware, tokens: int) -> Candidate:
-    """Fill in `c`'s predicted memory, traffic and step time (Note [planner])."""
+def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimizer_states: float,
+         hardware: Hardware, tokens: int, matrices: tuple[tuple[torch.Size, torch.Size], ...] = ()) -> Candidate:
+    """Fill in `c`'s predicted memory, traffic and step time (Note [planner]). `matrices`:
+    the (TP-local, whole) shapes of what Muon steps (Note [matrix optimizers]), whose exchange
+    and Newton-Schulz iterations the optimizer step adds."""
     ranks_per_node = hardware.ranks_per_node
     F = {"full_shard": world, "shard_grad_op": world, "no_shard": 1,
          "hybrid_shard": math.gcd(world, ranks_per_node)}[c.strategy]
@@ -365,11 +370,17 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     # offloaded, shards, gradients and optimizer state are in host memory instead
     on_device = 0 if c.offload else 1
     backward_start = acts + kept + ahead + pending + unit_grads
-    backward_end = on_device * S + kept
-    c.memory = {"runtime": runtime, "shards": on_device * S, "optimizer": on_device * optimizer_states * S,
+    # Muon: a rank's bf16 rows of every matrix sent, its owned matrices received and whole
+    # (the largest one's Newton-Schulz temporaries besides), their updates' rows sent back
+    exchanged = sum(s.numel() for s, _ in matrices if len(s) == 2) if F > 1 else 0
+    owned = sum(s.numel() for _, s in matrices) // F
+    largest = max((s[-2:].numel() for _, s in matrices), default=0)
+    step_buffers = 2 * 2 * exchanged // F + 2 * 2 * owned + 4 * 2 * largest if matrices else 0
+    backward_end = on_device * S + kept + step_buffers
+    c.memory = {"runtime": runtime, "shards": on_device * S, "optimizer": on_device * int(optimizer_states * S),
                 "activations": acts, "full parameters": kept + ahead, "buffers": pending + unit_grads,
-                "gradients": on_device * S}
-    c.peak = runtime + on_device * (S + optimizer_states * S) + max(backward_start, backward_end)
+                "gradients": on_device * S, "optimizer step": step_buffers}
+    c.peak = runtime + on_device * int((1 + optimizer_states) * S) + max(backward_start, backward_end)
     c.host = (1 - on_device) * (2 + optimizer_states) * S
     # traffic: what fullshard.stats counts
     gathers = [1] + [1 if keep_all or i == len(units) - 1 else 2 for i in range(1, len(units))] \
@@ -378,6 +389,8 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
         sum((F - 1) * r for r in sent_rows) if F > 1 else 0
     c.sent_cross = sum(2 * (R - 1) * r * reduce_ // R for r in rows) if R > 1 else 0
     c.collectives = (sum(gathers) + len(units) if F > 1 else 0) + (len(units) if R > 1 else 0)
+    # each rank sends its rows of the other ranks' matrices and gets its rows of their updates, both bf16
+    c.sent_optimizer = 2 * 2 * exchanged * (F - 1) // (F * F)
     flops = (8 if c.checkpointing else 6) * param_count * tokens
     c.compute_s = compute_s = flops / hardware.flops[c.precision]
     # a ring spanning nodes leaves each node once per ring, and there are as many rings as the
@@ -388,10 +401,15 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     replica_bw = hardware.intra_bw if world <= ranks_per_node else spanning_bw if F == 1 else hardware.cross_bw
     comm_s = (c.sent_intra / group_bw + (sum(gathers) + len(units)) * (F - 1) * hardware.latency if F > 1 else 0) + \
         (c.sent_cross / replica_bw + len(units) * 2 * (R - 1) * hardware.latency if R > 1 else 0)
-    host_s = optimizer_s = 0.0
+    # Muon's step follows backward, overlapping nothing: Newton-Schulz in bf16 (5 iterations,
+    # the matrices shared by the group's ranks) and the two all_to_alls
+    muon_s = 5 * sum(newton_schulz_flops(s) for _, s in matrices) / F / \
+        hardware.flops.get("bf16", hardware.flops[c.precision]) + \
+        (c.sent_optimizer / group_bw + 2 * (F - 1) * hardware.latency if exchanged else 0)
+    host_s, optimizer_s = 0.0, muon_s
     if c.offload:  # each gather copies a shard in, each reduce-scatter a gradient shard out; the host steps
         host_s = (sum(g * n * master for g, n in zip(gathers, shard)) + sum(r * reduce_ for r in rows)) / hardware.host_bw
-        optimizer_s = sum(shard) / hardware.host_optimizer
+        optimizer_s += sum(shard) / hardware.host_optimizer
     if hardware.overlap:  # all but the first gather and the last reduction hide behind compute
         c.step_s = max(compute_s, comm_s, host_s) + 2 * max(comm_s, host_s) / max(c.collectives, 1) + optimizer_s
     else:
@@ -533,7 +551,10 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
         memory_budget: bytes per rank the peak must stay within.
         batch: sequences per rank per micro-batch.
         seq: tokens per sequence.
-        optimizer: ``"adamw"`` (2 states per parameter), ``"sgd"`` (momentum: 1) or ``"none"``.
+        optimizer: ``"adamw"`` (2 states per parameter), ``"sgd"`` (momentum: 1), ``"muon"``
+            (fullshard.optim.Muon on ``muon_groups``' matrices, 1 state, AdamW's 2 for the rest;
+            its exchange's bytes in ``Candidate.sent_optimizer``, its Newton-Schulz FLOPs and
+            buffers in the step and the peak) or ``"none"``.
         hardware: ``"cpu"``, ``"a100"``, ``"h100"`` or a :class:`Hardware`.
         precisions: compute precisions to consider.
         strategies: strategies to consider (default: all that apply to the world size).
@@ -556,7 +577,8 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
             "Pass the number of ranks, e.g. 8.")
     require(isinstance(memory_budget, (int, float)) and memory_budget > 0,
             f"memory_budget={memory_budget!r} must be a positive number of bytes", "Pass e.g. 2 * 2**30.")
-    require(optimizer in ("adamw", "sgd", "none"), f"optimizer={optimizer!r} is not one of adamw, sgd, none",
+    require(optimizer in ("adamw", "sgd", "muon", "none"), f"optimizer={optimizer!r} is not one of adamw, sgd, "
+            "muon, none",
             "Pass the optimizer kind whose state you will keep.")
     hw = HARDWARE.get(hardware) if isinstance(hardware, str) else hardware
     require(isinstance(hw, Hardware), f"hardware={hardware!r} is unknown", f"Pass one of {sorted(HARDWARE)}.")
@@ -588,7 +610,12 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
             kept = activation_bytes(model, batch, seq, dtype, block, True, hw.device, tp, tp_plan)
             blocks = sum(type(m) is block for m in model.modules())
             acts[(prec, True)] = kept + 2 * (acts[(prec, False)] - kept) // blocks
-    states = {"adamw": 2, "sgd": 1, "none": 0}[optimizer]
+    states, matrices = {"adamw": 2, "sgd": 1, "none": 0}.get(optimizer, 2), ()
+    if optimizer == "muon":  # one momentum buffer per matrix element, AdamW's two for the rest (muon_groups)
+        hidden, rest = muon_groups(model)
+        matrices = tuple((tp_shapes.get(p, p.shape), p.shape) for p in hidden)
+        counts = sum(p.numel() for p in hidden), sum(p.numel() for p in rest)
+        states = (counts[0] + 2 * counts[1]) / max(sum(counts), 1)
     offloads = (False, True) if hw.host_bw else (False,)  # a CPU rank's memory is host memory already
     candidates = []
     for wrap, strategy, limit, (prec, ck), offload, gather, reduce in itertools.product(
@@ -597,7 +624,7 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
             continue  # sends what an exact reduction sends (no_shard's all-reduce sends the reduce dtype)
         c = Candidate(wrap, strategy, limit, prec, ck, offload, gather, reduce)
         cost(c, shapes[wrap], world=dp_world, acts=acts[(prec, ck)], optimizer_states=states, hardware=hw,
-             tokens=batch * seq)
+             tokens=batch * seq, matrices=matrices)
         c.fits = c.peak <= memory_budget and c.host <= hw.host_memory
         candidates.append(c)
     fitting = [c for c in candidates if c.fits]

@@ -172,7 +172,9 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, *
         for param in group["params"]:
             values = {}
             for key, value in optimizer.state.get(param, {}).items():
-                if full and isinstance(value, DTensor):
+                if full and isinstance(value, DTensor) and value.shape != param.shape:  # a matrix optimizer's
+                    value = full_tensor(value, owners[param][1].caller)  # row shards of another shape
+                elif full and isinstance(value, DTensor):
                     value = full_state_value(value, *owners[param], f"optimizer state {names[param]}.{key}")
                 if isinstance(value, torch.Tensor) and full and keep:
                     value = value.cpu() if cpu_offload else value.clone()

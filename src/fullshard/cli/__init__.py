@@ -105,7 +105,7 @@ def parser() -> Parser:
     plan_parser.add_argument("--world-size", type=int, default=2, help="ranks")
     plan_parser.add_argument("--memory-budget", default="2GiB", help="bytes per rank, e.g. 2GiB")
     plan_parser.add_argument("--hardware", default="cpu", help="cpu, a100 or h100 (fullshard.planner.HARDWARE)")
-    plan_parser.add_argument("--optimizer", default="adamw", help="adamw, sgd or none")
+    plan_parser.add_argument("--optimizer", default="adamw", help="adamw, sgd, muon (fullshard.optim.Muon for the matrices, AdamW for the rest) or none")
     return top
 
 

@@ -53,6 +53,9 @@ class TrainConfig:
     min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay")
     warmup: int = opt(40, "linear warm-up steps")
     weight_decay: float = opt(0.1, "AdamW weight decay (matrices only)")
+    optimizer: str = opt("adamw", "'adamw', or 'muon': fullshard.optim.Muon for the blocks' matrices, AdamW for "
+                                  "the rest (embeddings, head, norms, biases)")
+    muon_lr: float = opt(0.02, "Muon's peak learning rate (--optimizer muon; the schedule scales it as --lr)")
     clip: float = opt(1.0, "clip gradients to this global norm (0: off)")
     # sharding
     strategy: str = opt("full_shard", "full_shard, shard_grad_op, hybrid_shard or no_shard")
@@ -124,7 +127,7 @@ def choice_problem(cfg: TrainConfig) -> str | None:
     choices = {"preset": tuple(PRESETS), "strategy": tuple(STRATEGIES), "precision": ("fp32", "bf16", "fp16"),
                "nonfinite": ("raise", "skip", "off"), "backward_prefetch": ("pre", "post", "none"),
                "plan": ("off", "auto"), "gather": ("exact", "int8", "float8"),
-               "reduce": ("exact", "bf16", "int8")}
+               "reduce": ("exact", "bf16", "int8"), "optimizer": ("adamw", "muon")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             return f"unknown {flag(name)} {getattr(cfg, name)!r}; choose one of {', '.join(allowed)}"

@@ -139,9 +139,7 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
     model.set_timeout(cfg.timeout)
     model.set_debug_checks(cfg.debug_checks)
     model.set_nonfinite_grads(nonfinite_policy(cfg))
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr)
+    optimizer = make_optimizer(model, cfg)
     run = Run(cfg, rank, world, device, model, optimizer,
               scaler=fullshard.GradScaler(device.type) if cfg.precision == "fp16" else None,
               train_data=torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8),
@@ -152,12 +150,26 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
     return run, description
 
 
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW, matrices decaying; or Muon for the blocks' matrices with AdamW groups for the rest
+    (fullshard.optim.Muon). Each group keeps its peak learning rate, which the schedule scales."""
+    params = list(model.parameters())
+    decay = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay, "peak_lr": cfg.lr},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "peak_lr": cfg.lr}]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(decay, lr=cfg.lr)
+    matrices, rest = fullshard.optim.muon_groups(model)
+    rest = [{"params": rest, "use_muon": False, "lr": cfg.lr, "weight_decay": 0.0, "peak_lr": cfg.lr}]
+    return fullshard.optim.Muon([{"params": matrices, "peak_lr": cfg.muon_lr}, *rest], lr=cfg.muon_lr,
+                                weight_decay=cfg.weight_decay)
+
+
 def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, device: torch.device) -> str:
     """Shard `model` as the options say, or as fullshard.plan chooses (--plan auto); how, in words."""
     if cfg.plan == "auto":
         plan = fullshard.plan(model, world_size=world, memory_budget=parse_bytes(cfg.memory_budget),
                               batch=cfg.global_batch // world // cfg.grad_accum, seq=cfg.seq_len,
-                              hardware="a100" if device.type == "cuda" else "cpu")
+                              hardware="a100" if device.type == "cuda" else "cpu", optimizer=cfg.optimizer)
         fullshard.apply_plan(model, plan)
         if rank == 0:
             print(plan.explain(), flush=True)
@@ -227,7 +239,7 @@ def train_step(run: Run, step: int, comm_stats) -> dict:
     begin = time.perf_counter()
     lr = lr_at(step, cfg)
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("peak_lr", cfg.lr) / cfg.lr  # a checkpoint from before peak_lr: --lr
     loss_sum = torch.zeros((), device=run.device)
     with comm_stats as comm:
         offsets = batch_offsets(len(run.train_data), step, seed=cfg.seed, seq_len=cfg.seq_len, batch=cfg.global_batch)
