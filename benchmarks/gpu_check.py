@@ -1,7 +1,7 @@
 """GPU check: fullshard on CUDA with NCCL, against one process and against torch's FSDP2,
 on a machine with one GPU (or more; it uses GPU 0).
 
-    PYTHONPATH=src python3 benchmarks/gpu_check.py        # the check: one command, one table
+    PYTHONPATH=src timeout -k 10 540 python3 benchmarks/gpu_check.py   # the check: one command, one table
     PYTHONPATH=src python3 benchmarks/gpu_check.py --cpu  # the same on the CPU over gloo (checks the script)
 
 Without CUDA (and without --cpu) it prints why it skips and exits 0. It runs, each under
@@ -14,11 +14,20 @@ torchrun --standalone:
    shard_grad_op, no_shard, hybrid_shard with shard groups of 1 and 2) x precision
    (fp32; bf16; fp16 with fullshard.GradScaler), with CPU offload and without prefetch
    for some, and full_shard with gradients sent in bf16 or int8 blocks and summed in fp32
-   (Note [low-precision reductions]: an all_to_all on NCCL), 3 SGD steps with clipping, against the same model trained by one process on
-   the whole global batch (low precision: bf16/fp16 copies of fp32 masters, by hand);
+   (Note [low-precision reductions]: an all_to_all on NCCL), 3 SGD steps with clipping,
+   against the same model trained by one process on the whole global batch (low precision:
+   bf16/fp16 copies of fp32 masters, by hand); a background save; fullshard.optim.Muon
+   against torch.optim.Muon given the same gradients (its owner exchange on NCCL), with and
+   without CPU offload;
 2. the step benchmark at world 1: fullshard against FSDP2 (sharded per block, bf16
    compute) on the 100m GPT, alternating, median step time and
    torch.cuda.max_memory_allocated.
+
+Then int8 and float8 gathers (gather_dtype) and torchao's float8 training (when torchao is
+installed), each with forward prefetch, trained twice from the same start: bitwise-equal runs
+required, as a stream race shows as a run-to-run difference. Each part has a deadline
+(PARITY_DEADLINE_S, BENCH_DEADLINE_S: 8 minutes in all), past which its torchrun and ranks
+are killed; the outer `timeout -k 10 540` bounds the rest.
 
 It prints a line per configuration, then one table, and exits 1 if any check failed.
 """
@@ -31,6 +40,7 @@ import gc
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +52,8 @@ from datetime import timedelta
 TOLERANCES = {"fp32": (1e-5, 1e-5), "bf16": (0.08, 2e-3), "fp16": (0.02, 4e-4),
               "fp32+bf16": (1e-4, 5e-4), "bf16+int8": (0.08, 3e-3)}
 LOW_PRECISION_REDUCTIONS = ("fp32+bf16", "bf16+int8")  # compute precision + the dtype gradients are sent in
+# each part's deadline: together 8 minutes, inside the documented outer `timeout -k 10 540`
+PARITY_DEADLINE_S, BENCH_DEADLINE_S = 330, 150
 
 
 MESHES: dict[int, object] = {}  # hybrid meshes by shard-group size
@@ -228,35 +240,144 @@ def parity(rank: int, world: int, device) -> list[dict]:
 
 
 def background_save(rank: int, world: int, device, path: str) -> dict:
-    """save(block=False) on the device (pinned staging copies on the "stage" stream, Note
-    [background saves]), two more steps while it writes, then a fresh model loads it: the
-    parameters at the save, bitwise."""
+    """save(block=False) on the device while the GPU is busy: the 100m GPT (424 MB of fp32
+    parameters; tiny with --cpu) takes an AdamW step and is saved right after
+    `optimizer.step()`, with no host read between (pinned staging copies on the "stage" stream,
+    Note [background saves]); the next step runs while it writes, then a fresh model loads it:
+    every shard as it was at the save, bitwise (the values at the save are copied on the
+    device, which reads nothing on the host)."""
     import torch
     import torch.distributed as dist
 
     import fullshard
+    from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
+
+    preset = "100m" if device.type == "cuda" else "tiny"
+
+    def make():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=128, vocab_size=256, **PRESETS[preset])).to(device)
+        return fullshard.shard_model(model, wrap={Block}, forward_prefetch=True)
 
     generator = torch.Generator().manual_seed(2)
-    batches = [tuple(t.to(device) for t in (x, torch.roll(x, -1, 1)))
-               for x in (torch.randint(0, 97, (4 * world, 32), generator=generator) for _ in range(3))]
+    batches = [torch.randint(0, 256, (2 * world, 129), generator=generator).to(device) for _ in range(2)]
     try:
-        model = shard(build(device), "full_shard", 0, "fp32", False, True, device.type)
-        train_sharded(model, batches[:1], rank, world, "fp32", device)
-        at_save = {n: v.clone() for n, v in fullshard.get_state_dict(model)[0].items()}
-        handle = fullshard.save(path, model, step=1, block=False)
-        train_sharded(model, batches[1:], rank, world, "fp32", device)
+        model = make()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        for i, batch in enumerate(batches):
+            local = batch.chunk(world)[rank]
+            model(local[:, :-1], local[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if i == 0:  # hot: the step's kernels may still be running
+                at_save = [p.to_local().clone() for p in model.parameters()]
+                handle = fullshard.save(path, model, step=1, block=False)
         handle.result()
-        fresh = shard(build(device), "full_shard", 0, "fp32", False, True, device.type)
+        fresh = make()
         fullshard.load(path, fresh)
-        loaded = fullshard.get_state_dict(fresh)[0]
-        diff = max((loaded[n].float() - v.float()).abs().max().item() for n, v in at_save.items())
-        ok, detail = diff == 0.0, f"largest difference from the values at the save {diff:.1e}"
+        diff = max((p.to_local() - v).abs().max().item() for p, v in zip(fresh.parameters(), at_save))
+        ok = diff == 0.0
+        detail = f"{preset} GPT ({megabytes:.0f} MB of parameters): largest difference from the values at the " \
+                 f"save {diff:.1e}"
     except Exception as e:
         ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     flag = torch.tensor([0 if ok else 1], device=device)
     dist.all_reduce(flag)
     log(rank, f"{'PASS' if flag.item() == 0 else 'FAIL'}  background save: {detail}")
     return {"name": "background save", "precision": "save", "ok": flag.item() == 0, "detail": detail}
+
+
+def repeatable(rank: int, world: int, device, kind: str) -> dict:
+    """A transformed gather (Note [gather streams]) trained twice from the same start with
+    forward prefetch and 2 gathers in flight: the losses and parameters of the two runs must
+    be bitwise equal (a stream race shows as a difference from run to run). `kind`: int8 or
+    float8 blocks (gather_dtype), or torchao's float8 training (all-gather extensions)."""
+    import torch
+    import torch.distributed as dist
+
+    import fullshard
+    from fullshard.gpt import Block
+
+    generator = torch.Generator().manual_seed(4)
+    batches = [tuple(t.to(device) for t in (x, torch.roll(x, -1, 1)))
+               for x in (torch.randint(0, 97, (4 * world, 32), generator=generator) for _ in range(3))]
+    name = {"int8": "int8 gathers", "float8": "float8 gathers (gather_dtype)",
+            "torchao": "torchao float8 training (all-gather extensions)"}[kind]
+    try:
+        runs = []
+        for _ in range(2):
+            model = build(device)
+            if kind == "torchao":
+                if device.type != "cuda":
+                    raise RuntimeError("torchao's float8 matmuls need a GPU")
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+                convert_to_float8_training(
+                    model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                    module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+                mp = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            else:
+                gather = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+                mp = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, gather_dtype=gather)
+            fullshard.shard_model(model, wrap={Block}, mp_policy=mp, forward_prefetch=True, limit_all_gathers=2)
+            losses = train_sharded(model, batches, rank, world, "bf16", device)
+            runs.append((losses, [p.to_local().detach().clone() for p in model.parameters()]))
+        same = runs[0][0] == runs[1][0] and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+        ok = same and all(v == v for v in runs[0][0])
+        detail = "two runs bitwise equal" if same else \
+            f"runs differ: losses {runs[0][0]} and {runs[1][0]}"
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if kind == "torchao" and (isinstance(e, ImportError) or device.type != "cuda"):
+            ok, detail = True, f"not run: {detail}"  # torchao is not a dependency (a GPU's): said in the table
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(flag)
+    log(rank, f"{'PASS' if flag.item() == 0 else 'FAIL'}  {name}, twice: {detail}")
+    return {"name": name, "precision": "repeat", "ok": flag.item() == 0, "detail": detail}
+
+
+def muon(rank: int, world: int, device, offload: bool) -> dict:
+    """fullshard.optim.Muon (Note [matrix optimizers]: the rows to each matrix's owner and the
+    update back, two NCCL all_to_alls; with CPU offload the rows go to the device and the
+    updates come back in one wait) against torch.optim.Muon on the whole matrices, given the
+    gradients the sharded model made: 3 steps, every parameter compared."""
+    import torch
+    import torch.distributed as dist
+
+    from fullshard.optim import Muon, muon_groups
+
+    generator = torch.Generator().manual_seed(3)
+    batches = [tuple(t.to(device) for t in (x, torch.roll(x, -1, 1)))
+               for x in (torch.randint(0, 97, (4 * world, 32), generator=generator) for _ in range(3))]
+    name = f"Muon full_shard offload={offload}"
+    try:
+        reference = build(device)
+        model = shard(copy.deepcopy(reference), "full_shard", 0, "fp32", offload, True, device.type)
+        pairs = list(zip(muon_groups(model)[0], muon_groups(reference)[0]))
+        ours = Muon([p for p, _ in pairs], lr=0.02)
+        theirs = torch.optim.Muon([q for _, q in pairs], lr=0.02)
+        for x, y in batches:
+            local = x.shape[0] // world
+            model(x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]).backward()
+            for p, q in pairs:
+                q.grad = p.grad.full_tensor().to(device)
+            ours.step()
+            theirs.step()
+            ours.zero_grad()
+            model.zero_grad()
+        diff = max((p.full_tensor().to(device) - q).abs().max().item() for p, q in pairs)
+        # the owner orthogonalizes the same bits with the same kernels as one process: bitwise
+        # on the CPU (tests/test_optim.py); a cuBLAS kernel chosen by another alignment may
+        # round one bf16 step of the update differently (lr 2^-8 = 8e-5)
+        ok, detail = diff <= 1e-4, f"largest difference from torch.optim.Muon {diff:.1e}" + \
+            (" (bitwise)" if diff == 0 else "")
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(flag)
+    log(rank, f"{'PASS' if flag.item() == 0 else 'FAIL'}  {name}: {detail}")
+    return {"name": name, "precision": "muon", "ok": flag.item() == 0, "detail": detail}
 
 
 def step_benchmark(rank: int, world: int, device, steps: int) -> dict:
@@ -336,6 +457,8 @@ def worker(args: argparse.Namespace) -> int:
         result["parity"] = parity(rank, world, device)
         result["parity"].append(background_save(rank, world, device, os.path.join(os.path.dirname(args.result),
                                                                                    "ckpt")))
+        result["parity"] += [muon(rank, world, device, offload) for offload in (False, True)]
+        result["parity"] += [repeatable(rank, world, device, kind) for kind in ("int8", "float8", "torchao")]
     else:
         result["bench"] = step_benchmark(rank, world, device, args.steps)
     dist.barrier()
@@ -346,8 +469,11 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_part(part: str, nproc: int, args: argparse.Namespace, result: str) -> dict | None:
-    """One torchrun of the worker; what rank 0 recorded (None when it did not finish)."""
+def run_part(part: str, nproc: int, args: argparse.Namespace, result: str, deadline_s: float) -> dict | None:
+    """One torchrun of the worker; what rank 0 recorded (None when it did not finish). Past
+    `deadline_s` the torchrun and its ranks (one process group) are killed: a hang the process
+    group's timeout does not cover (NCCL's bootstrap over loopback) costs the part, not the
+    check."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     if args.cpu:
         env["OMP_NUM_THREADS"] = "1"
@@ -356,7 +482,13 @@ def run_part(part: str, nproc: int, args: argparse.Namespace, result: str) -> di
                    CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
            "--worker", "--part", part, "--result", result, "--steps", str(args.steps)] + (["--cpu"] if args.cpu else [])
-    subprocess.run(cmd, env=env)
+    launched = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        launched.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        print(f"gpu_check: the {part} part passed its deadline of {deadline_s:.0f} s: killed", flush=True)
+        os.killpg(launched.pid, signal.SIGKILL)
+        launched.wait()
     if not os.path.exists(result):
         return None
     with open(result) as f:
@@ -379,9 +511,15 @@ def table(parity_run: dict | None, bench_run: dict | None) -> list[str]:
             lines.append(f"| parity {what}, world 2 on one device ({parity_run['device']}) | {passed} of "
                          f"{len(mine)} pass | largest drift: loss {loss:.2e}, parameters {param:.2e} |")
         for r in records:
+            if r["precision"] == "repeat":
+                result = "not run" if r["detail"].startswith("not run") else "pass" if r["ok"] else "FAIL"
+                lines.append(f"| {r['name']}, forward prefetch, world 2, run twice | {result} | {r['detail']} |")
+            if r["precision"] == "muon":
+                lines.append(f"| {r['name']}: against torch.optim.Muon, same gradients, 3 steps | "
+                             f"{'pass' if r['ok'] else 'FAIL'} | {r['detail']} |")
             if r["precision"] == "save":
-                lines.append(f"| save(block=False), 2 steps while it writes, load | {'pass' if r['ok'] else 'FAIL'} "
-                             f"| {r['detail']} |")
+                lines.append(f"| save(block=False) right after optimizer.step(), a step while it writes, load | "
+                             f"{'pass' if r['ok'] else 'FAIL'} | {r['detail']} |")
     if bench_run is None:
         lines.append("| step, world 1, against FSDP2 | did not finish | see the output above |")
     else:
@@ -414,8 +552,8 @@ def main() -> int:
         return 0
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        parity_run = run_part("parity", 2, args, os.path.join(folder, "parity.json"))
-        bench_run = run_part("bench", 1, args, os.path.join(folder, "bench.json"))
+        parity_run = run_part("parity", 2, args, os.path.join(folder, "parity.json"), PARITY_DEADLINE_S)
+        bench_run = run_part("bench", 1, args, os.path.join(folder, "bench.json"), BENCH_DEADLINE_S)
     print(f"\ngpu_check finished in {time.perf_counter() - start:.0f} s\n")
     print("\n".join(table(parity_run, bench_run)))
     ok = parity_run is not None and bench_run is not None and all(r["ok"] for r in parity_run["parity"])

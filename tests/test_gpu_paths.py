@@ -132,6 +132,28 @@ def test_averaging_uses_nccl_avg_and_divides_fp16_first():
     assert averaging("nccl", torch.float16, dp_size=8, summed_over=8, divide_by=2.5) == Averaging(True, summed, 1)
 
 
+def test_a_group_made_without_a_backend_averages_with_nccl_on_the_gpu(world2):
+    """init_process_group() without a backend names its group "cpu:gloo,cuda:nccl": CUDA tensors
+    go through NCCL, which averages; CPU tensors through gloo. The runtime reads the backend for
+    the device (the averaging and the route choose by it), here on a real group of that kind."""
+    from fullshard.runtime import device_backend
+
+    assert device_backend("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert device_backend("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert device_backend("nccl", "cuda") == "nccl" and device_backend("gloo", "cpu") == "gloo"
+    backend = device_backend("cpu:gloo,cuda:nccl", "cuda")
+    assert averaging(backend, torch.bfloat16, dp_size=8, summed_over=8, divide_by=8).op == dist.ReduceOp.AVG
+    assert world2.run(mixed_backend_job) == ["gloo", "gloo"]
+
+
+def mixed_backend_job() -> str:
+    group = dist.new_group(backend="cpu:gloo,cuda:gloo")  # the mixed kind of name, runnable without a GPU
+    from fullshard.runtime import Runtime
+
+    assert "cpu:gloo" in str(dist.get_backend(group)), dist.get_backend(group)
+    return Runtime().backend(group, torch.device("cpu"))
+
+
 def bf16_rounding_job() -> dict:
     """bf16 gradients reduced over 4 ranks against their fp32 average rounded once."""
     torch.manual_seed(0)
@@ -204,7 +226,7 @@ class StuckRuntime(runtime.Runtime):
     def host_memory(self, device) -> bool:
         return False  # a GPU's
 
-    def backend(self, group) -> str:
+    def backend(self, group, device) -> str:
         return "nccl"  # its collectives, whose waits are stream waits
 
     def current_stream(self, device):

@@ -276,17 +276,22 @@ def test_the_model_offers_every_method_of_the_runtime():
 
 def background_save_violations(path: str) -> dict[str, list[str]]:
     """The stream order of a background save's staging copies (Note [background saves]): the
-    optimizer's writes to the shards before and after it stand for the steps around it, and
-    each of the two waits is dropped in turn."""
+    optimizer's writes to the shards before it stand for the step that produced them; then a
+    forward and backward (which only read the shards: not ordered after the copies) and the
+    next optimizer step, which writes them; each of the two waits is dropped in turn."""
     out = {}
     for skipped in (None, ("stage", "compute"), ("compute", "stage")):
         model_rt = StreamModel(skip_waits=(skipped,) if skipped else ())
         with runtime.installed(model_rt), model_rt.tracking():
             model = build("full_shard", "fp32", False, "prefetch")
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
             shards = [shard for unit in units_under(model) for shard in unit.layout.shards]
             model_rt.writes(*shards)  # the step that produced them
-            fullshard.save(path, model, block=False).result()
-            model_rt.writes(*shards)  # the next step's optimizer
+            handle = fullshard.save(path, model, block=False)
+            batch = local_slice(global_batches(token_batch, 1, 4)[0], dist.get_rank(), dist.get_world_size())
+            model(*batch).backward()
+            optimizer.step()  # the first write after the save
+            handle.result()
         out["-waits-".join(skipped) if skipped else "all waits"] = model_rt.violations
     return out
 
@@ -296,3 +301,161 @@ def test_a_background_saves_copies_are_ordered_between_the_steps(world2, tmp_pat
         assert got["all waits"] == []
         assert any(v.startswith("read on stage") for v in got["stage-waits-compute"]), got
         assert any(v.startswith("write on compute") for v in got["compute-waits-stage"]), got
+
+
+def muon_step_job() -> dict:
+    """fullshard.optim.Muon's step (Note [matrix optimizers]) on the stream model, with and
+    without CPU offload, hybrid too: its all_to_alls read and write device memory only, in
+    stream order; offload's updates come back to the host in one wait per step, and without
+    offload the step makes no host sync."""
+    from fullshard.optim import Muon, muon_groups
+
+    out = {}
+    for strategy, offload in (("full_shard", False), ("full_shard", True), ("hybrid_f1", True)):
+        model_rt = StreamModel()
+        with runtime.installed(model_rt), model_rt.tracking():
+            model = build(strategy, "bf16", offload, "prefetch")
+            if offload:
+                model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards])
+            matrices, rest = muon_groups(model)
+            optimizer = Muon([{"params": matrices}, {"params": rest, "use_muon": False}], lr=0.02)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            syncs = []
+            for batch in global_batches(token_batch, 2, 8):
+                model(*local_slice(batch, rank, world)).backward()
+                before = model_rt.host_syncs
+                optimizer.step()
+                syncs.append(model_rt.host_syncs - before)
+                optimizer.zero_grad()
+        out[f"{strategy} offload={offload}"] = {"violations": model_rt.violations, "syncs": syncs}
+    return out
+
+
+def test_muons_exchange_keeps_stream_order_and_device_memory(world2):
+    for got in world2.run(muon_step_job):
+        for name, result in got.items():
+            assert not result["violations"], f"{name}:\n" + "\n".join(result["violations"][:8])
+            assert result["syncs"] == [1, 1] if "offload=True" in name else [0, 0], (name, result["syncs"])
+
+
+# ---- transformed gathers (int8 blocks, all-gather extensions): Note [gather streams] -----------
+
+
+def transformed_model(kind: str, offload: bool) -> GPT:
+    """A GPT of 2 block units whose gathers are transformed: int8 blocks (gather_dtype), or an
+    all-gather extension on every block's linear weights (tests/test_extensions.py's
+    HalfOnWire, made on the compute stream by fsdp_pre_all_gather); forward prefetch and 2
+    gathers in flight, as shard_model's defaults plus forward_prefetch."""
+    from tests.test_extensions import HalfOnWire
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=30, bias=False))
+    if kind == "extension":
+        for block in model.h:
+            for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                weight = layer.weight.detach()
+                layer.weight = nn.Parameter(HalfOnWire(weight.clone(), weight.clone()))
+    mp = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, gather_dtype=torch.int8) if kind == "int8" else \
+        fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if kind == "plain" else None
+    fullshard.shard_model(model, wrap={Block}, mp_policy=mp, forward_prefetch=True, limit_all_gathers=2,
+                          offload_policy=fullshard.CPUOffloadPolicy() if offload else None)
+    return model
+
+
+def flat_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor and, for a subclass, its inner tensors (TwoTensor's a and b)."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return [tensor, *(t for name in names for t in flat_tensors(getattr(tensor, name)))]
+    return [tensor]
+
+
+def undo(fix: str) -> contextlib.AbstractContextManager:
+    """Undo one fix of Note [gather streams] while inside: "late outputs" gives the formats'
+    output buffers their memory when the gather finishes (after the gather stream's last wait
+    for compute), "early free" drops the inputs made on the compute stream as soon as the
+    gather is issued (before the gather stream has read them)."""
+    from unittest import mock
+
+    from fullshard.extension import Extension
+    from fullshard.gather import GatherPlan
+    from fullshard.quantize import Quantized
+
+    stack = contextlib.ExitStack()
+    if fix == "late outputs":
+        for cls in (Quantized, Extension):
+            allocate, outputs = cls.allocate, cls.outputs
+
+            def pending(self, small, allocate=allocate):
+                self.pending = small
+
+            def late(self, small, allocate=allocate, outputs=outputs):
+                if getattr(self, "pending", None) is not None:
+                    allocate(self, self.pending)
+                    self.pending = None
+                return outputs(self, small)
+
+            stack.enter_context(mock.patch.object(cls, "allocate", pending))
+            stack.enter_context(mock.patch.object(cls, "outputs", late))
+    else:
+        issue = GatherPlan.issue
+
+        def early(self, *args, **kwargs):
+            gathering = issue(self, *args, **kwargs)
+            self.release(gathering.kept)
+            return gathering
+
+        stack.enter_context(mock.patch.object(GatherPlan, "issue", early))
+    return stack
+
+
+def transformed_gathers_job() -> dict:
+    """2 steps of each transformed gather on the stream model, with and without CPU offload
+    (and a plain bf16 gather with offload, whose host syncs they must not exceed); then with
+    each fix undone in turn (without offload)."""
+    out = {}
+    cases = [(kind, offload, None) for kind in ("int8", "extension") for offload in (False, True)] + \
+        [("plain", True, None)] + \
+        [("int8", False, "late outputs"), ("extension", False, "late outputs"), ("extension", False, "early free")]
+    for kind, offload, fix in cases:
+        model_rt = StreamModel()
+        with runtime.installed(model_rt), model_rt.tracking(), undo(fix) if fix else contextlib.nullcontext():
+            model = transformed_model(kind, offload)
+            if offload:  # every shard, an extension's own tensors (its a and b) too
+                model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards],
+                                   *[t for p in model.parameters() for t in flat_tensors(p.to_local())])
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=False)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            syncs = []
+            for batch in global_batches(token_batch, 2, 4):
+                before = model_rt.host_syncs
+                with model_rt.counting_scalars():
+                    model(*local_slice(batch, rank, world)).backward()
+                syncs.append(model_rt.host_syncs - before)
+                model_rt.check_joined("end of backward")
+                for p in model.parameters():
+                    model_rt.reads(p.grad)
+                    model_rt.writes(p)
+                optimizer.step()
+                optimizer.zero_grad()
+        out[f"{kind} offload={offload}{f' undone: {fix}' if fix else ''}"] = model_rt.violations
+        out[f"syncs {kind} offload={offload}"] = syncs
+    return out
+
+
+def test_transformed_gathers_keep_stream_order_and_each_fix_is_seen(world2):
+    for got in world2.run(transformed_gathers_job):
+        for name, violations in got.items():
+            if "undone" not in name and not name.startswith("syncs"):
+                assert not violations, f"{name}:\n" + "\n".join(violations[:8])
+        # under offload the shards reach the device on the gather stream (from pinned memory) and
+        # int8 quantizes there: no host sync per unit, the same count as a plain gather's
+        plain = got["syncs plain offload=True"]
+        assert got["syncs int8 offload=True"] == got["syncs extension offload=True"] == plain, got
+        # race 1: the gather stream writes buffers whose memory compute took after the gather's wait
+        for kind in ("int8", "extension"):
+            seen = got[f"{kind} offload=False undone: late outputs"]
+            assert any(v.startswith("write on gather") and "write on compute" in v for v in seen), seen[:4]
+        # race 2: inputs made on compute, freed before the gather stream read them
+        seen = got["extension offload=False undone: early free"]
+        assert any("is freed" in v and "read on gather" in v for v in seen), seen[:4]

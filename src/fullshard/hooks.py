@@ -74,6 +74,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fullshard import runtime
 from fullshard.errors import CollectiveError, collective_failed, fail
 from fullshard.options import Schedule
 from fullshard.param import OwnedParam
@@ -131,7 +132,9 @@ def claim(owned: list[OwnedParam], what: str, ignored) -> None:
 def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Before every optimizer step (a global hook, registered by the first fully_shard): refuse
     an optimizer that would silently not train a sharded model. Only the parameters that are
-    not DTensors, few in a sharded model, need a look."""
+    not DTensors, few in a sharded model, need a look. It is also the first write to the
+    shards after a background save's copies: those are ordered before it here."""
+    runtime.order_before_step()
     stale, unaveraged, sharded = [], [], False
     for group in optimizer.param_groups:
         for p in group["params"]:

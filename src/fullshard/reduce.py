@@ -131,7 +131,7 @@ class ReducePlan:
                                native=self.format.native)
         self.sums_here = self.route.name != "native" and shard_pg is not None  # rows arrive to be summed here
         backend = "gloo" if shard_pg is None and replicate_pg is None or self.sums_here else \
-            dist.get_backend(shard_pg or replicate_pg)  # the backend's own: only NCCL averages
+            runtime.active.backend(shard_pg or replicate_pg, device)  # the backend's own: only NCCL averages
         summed_over = group.world * (replicate_pg.size() if replicate_pg is not None else 1)
         self.averaging = averaging(backend, dtype, dp_size=group.dp_size, summed_over=summed_over,
                                    divide_by=divide_by, force_sum=force_sum)
@@ -441,7 +441,7 @@ def checks_replicas(group: dist.ProcessGroup | None, device: torch.device) -> bo
     (Note [named hangs]): on gloo in host memory, whose waits block the host anyway; not where it
     would be a host sync (a GPU's)."""
     rt = runtime.active
-    return group is not None and rt.backend(group) == "gloo" and rt.host_memory(device)
+    return group is not None and rt.backend(group, device) == "gloo" and rt.host_memory(device)
 
 
 def check_replicas(group: dist.ProcessGroup, expected: torch.Tensor, timeout: timedelta) -> None:

@@ -108,7 +108,7 @@ def route_for(group: dist.ProcessGroup | None, device: torch.device, numel: int,
     if group is None:
         return Local(group, device, numel, dtype, uid, kind)
     rt = runtime.active
-    gloo = rt.backend(group) == "gloo"
+    gloo = rt.backend(group, device) == "gloo"
     if not gloo:
         return Native(group, device, numel, dtype, uid, kind) if native else \
             AllToAll(group, device, numel, dtype, uid, kind, checked=False)

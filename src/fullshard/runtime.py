@@ -180,13 +180,23 @@ class HangWatch:
 MAX_PAUSE_S = 5e-4
 
 
+def device_backend(name: str, device_type: str) -> str:
+    """The backend of a process group's name for tensors of `device_type`: a group made by
+    init_process_group() without a backend is "cpu:gloo,cuda:nccl", whose CUDA collectives are
+    NCCL's (and average as NCCL does)."""
+    if ":" not in name:
+        return name
+    backends = dict(part.split(":", 1) for part in name.split(","))
+    return backends.get(device_type, name)
+
+
 class Runtime:
     """CUDA streams and events where the device is a GPU; on the CPU streams are None."""
 
     def __init__(self) -> None:
         self.streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
         self.watch = HangWatch()
-        self.backends: dict[dist.ProcessGroup, str] = {}  # each group's backend, read once
+        self.backends: dict[tuple, str] = {}  # each (group, device type)'s backend, read once
 
     # ---- streams and events, Note [streams] ----------------------------------------------
 
@@ -232,11 +242,13 @@ class Runtime:
 
     # ---- collectives -------------------------------------------------------------------
 
-    def backend(self, group: dist.ProcessGroup) -> str:
-        """The backend of `group` ("gloo", "nccl", ...), which routes.route_for chooses by."""
-        name = self.backends.get(group)
+    def backend(self, group: dist.ProcessGroup, device: torch.device) -> str:
+        """The backend that runs `group`'s collectives on `device`'s tensors ("gloo", "nccl",
+        ...), which routes.route_for and the averaging choose by."""
+        key = (group, device.type)
+        name = self.backends.get(key)
         if name is None:
-            name = self.backends[group] = dist.get_backend(group)
+            name = self.backends[key] = device_backend(dist.get_backend(group), device.type)
         return name
 
     def host_memory(self, device: torch.device) -> bool:
@@ -343,6 +355,23 @@ class Runtime:
 
 
 active = Runtime()
+
+# Streams the compute stream must wait for before it next writes the shards (a background
+# save's copies of them, Note [background saves]): waited for by the optimizer's step, the
+# first such write, so that the forward and backward between run unordered with the copies.
+_before_next_step: list[tuple[torch.device, object]] = []
+
+
+def before_next_step(device: torch.device, stream: object) -> None:
+    _before_next_step.append((device, stream))
+
+
+def order_before_step() -> None:
+    """The compute stream waits for every stream recorded by before_next_step (the optimizer
+    step pre-hook calls it)."""
+    while _before_next_step:
+        device, stream = _before_next_step.pop()
+        active.wait_stream(active.current_stream(device), stream)
 
 
 def launched(works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:

@@ -4,8 +4,10 @@ host buffers, then the checkpoint written by a thread of its own (Note [backgrou
 # Note [background saves]: save(block=False) returns once the values it saves are copied
 # into host buffers (pinned when they come from a GPU). On a GPU the copies run on a
 # "stage" stream that waits for the compute stream (so they read what the last step
-# wrote), and the compute stream waits for them in turn (so the next step's optimizer
-# cannot overwrite a shard being copied); the thread waits for their event before it
+# wrote), and the compute stream waits for them in turn just before the next optimizer
+# step, the first write to the shards (runtime.before_next_step, from the step pre-hook of
+# hooks.py), so the next forward and backward run alongside the copies; a user's own
+# in-place edit of the parameters in between must wait (handle.result()). The thread waits for their event before it
 # reads a buffer. The thread then runs every phase of a blocking save (store.py:
 # write this rank's records, agree, rank 0 commits and switches LATEST, agree) on the
 # checkpoints' gloo group, which training never uses and which no save or load uses
@@ -34,6 +36,7 @@ from datetime import timedelta
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from fullshard import runtime
 from fullshard.errors import FullShardError, fail
@@ -52,6 +55,11 @@ class SaveHandle:
             write()
         except BaseException as e:  # raised in the caller's thread by result(); a FullShardError says all,
             self.error = e.with_traceback(None) if isinstance(e, FullShardError) else e  # and frees the frames
+            if not dist.is_initialized():  # the groups it writes over are gone
+                self.error = fail(f"{self.what} failed: the process groups were destroyed "
+                                  f"(torch.distributed.destroy_process_group) while it wrote in the background",
+                                  "Wait for the save (its handle.result()) before "
+                                  "destroy_process_group(); the previous checkpoint is still LATEST.")
 
     def done(self) -> bool:
         """Whether the write has ended (successfully or not)."""
@@ -165,7 +173,7 @@ class Staging:
                 rt.copy_(buffer, value.detach())
                 out[key] = buffer
         event = rt.record_event(stream)
-        rt.wait_stream(compute, stream)  # the next step writes the shards only after they are copied
+        runtime.before_next_step(device, stream)  # the next optimizer step writes them only after they are copied
         for key in set(self.buffers) - set(values):  # a value no longer saved
             del self.buffers[key]
         return Staged(out, event, device)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections import Counter
 from datetime import timedelta
 from typing import Iterator
@@ -37,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from fullshard.param import local_values
+from fullshard.runtime import Runtime
 
 SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 
@@ -154,7 +156,10 @@ class StreamModel:
 
     `native`: use the collectives NCCL would (all-gather, reduce-scatter) instead of gloo's
     point-to-point rows. `skip_waits`: (waiter, waited) stream names whose wait_stream is
-    dropped, to show that the model notices a missing wait.
+    dropped, to show that the model notices a missing wait. Collectives issued by another
+    thread than the one that made the model (a background save's writer, whose collectives
+    run on the host over the checkpoints' own group) are the plain runtime's: the model
+    follows the training thread's streams.
     """
 
     tracks = True  # callers build the arguments of reads/writes/allocated/freed
@@ -176,6 +181,8 @@ class StreamModel:
         self.issued: list[tuple[str, str]] = []  # (stream, where) of every collective, in issue order
         self.counting = False  # scalar reads count as host syncs
         self.copying = False  # inside the model's own copies between host and device memory
+        self.thread = threading.get_ident()  # the training thread, whose streams are modelled
+        self.plain = Runtime()  # for other threads' collectives
 
     # ---- streams -------------------------------------------------------------------------
 
@@ -219,7 +226,7 @@ class StreamModel:
 
     # ---- collectives -----------------------------------------------------------------------
 
-    def backend(self, group: object) -> str:
+    def backend(self, group: object, device: torch.device) -> str:
         return "nccl" if self.native else "gloo"  # a model of GPU memory: NCCL's collectives, or gloo's on it
 
     def host_memory(self, device: torch.device) -> bool:
@@ -234,6 +241,8 @@ class StreamModel:
             self.copying = False
 
     def launched(self, works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
+        if threading.get_ident() != self.thread:
+            return self.plain.launched(works, reads=reads, writes=writes)
         issuer = self.stack[-1]
         stream = Stream(f"collective #{len(self.comms)} (issued on {issuer.name} at {caller_site()})")
         self.comms.append(stream)
@@ -249,6 +258,8 @@ class StreamModel:
         return [ModelWork(work, stream) for work in works]
 
     def wait_works(self, works: list, *, timeout: timedelta, what: str, on_device: bool) -> None:
+        if threading.get_ident() != self.thread:
+            return self.plain.wait_works(works, timeout=timeout, what=what, on_device=on_device)
         waiter = self.stack[-1]
         for work in works:
             self.copying = True  # what gloo copies inside wait() is the collective's own work
@@ -392,6 +403,8 @@ class StreamModel:
         self.host.join({**stream.seen, stream: stream.clock})
 
     def read_on_host(self, tensor: torch.Tensor, *, timeout: timedelta, what: str) -> list:
+        if threading.get_ident() != self.thread:
+            return self.plain.read_on_host(tensor, timeout=timeout, what=what)
         if not self.buffer(tensor).host:  # device memory: the host waits for the current stream first
             self.host_waits(tensor.device, timeout=timeout, what=what)
         self.access(self.host, [tensor], "read")
