@@ -1,6 +1,7 @@
 """Muon on a sharded GPT: fullshard.optim.Muon against the ways a user has today, and AdamW.
 
     PYTHONPATH=src python benchmarks/muon_step.py [--presets 15m,100m] [--worlds 2,4] [--rounds 3]
+        [--accum 1] [--impls fullshard+Muon,AdamW]
 
 Each run is a fresh torchrun launch of `--worlds` gloo ranks on 127.0.0.1 (one thread each),
 training fullshard's GPT sharded per block on the same data; runs alternate over the
@@ -168,10 +169,11 @@ def worker(args: argparse.Namespace) -> None:
             optimizer.step()
 
     def step(measure_bytes: bool = False) -> tuple[float, float, int]:
-        data = torch.randint(0, 256, (global_batch, seq + 1), generator=generator)[rank * local:(rank + 1) * local]
         start = time.perf_counter()
-        loss = model(data[:, :-1], data[:, 1:])
-        loss.backward()
+        for _ in range(args.accum):  # micro-batches of the same size: a step of accum x the tokens
+            data = torch.randint(0, 256, (global_batch, seq + 1), generator=generator)[rank * local:(rank + 1) * local]
+            loss = model(data[:, :-1], data[:, 1:]) / args.accum
+            loss.backward()
         if args.impl.startswith("FSDP2"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
         else:
@@ -210,12 +212,12 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def launch(impl: str, preset: str, world: int, steps: int, warmup: int) -> dict:
+def launch(impl: str, preset: str, world: int, steps: int, warmup: int, accum: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                __file__, "--worker", "--impl", impl, "--preset", preset, "--steps", str(steps),
-               "--warmup", str(warmup), "--out", str(out)]
+               "--warmup", str(warmup), "--accum", str(accum), "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode:
@@ -223,16 +225,18 @@ def launch(impl: str, preset: str, world: int, steps: int, warmup: int) -> dict:
         return json.loads(out.read_text())
 
 
-def table(preset: str, world: int, runs: dict[str, list[dict]]) -> str:
+def table(preset: str, world: int, runs: dict[str, list[dict]], accum: int) -> str:
     med = {impl: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for impl, rs in runs.items()}
-    fsdp2, adamw = med["FSDP2+torch.Muon"], med["AdamW"]
-    lines = [f"\n### {preset}, world {world} ({len(runs['AdamW'])} alternating runs)\n",
+    fsdp2, adamw = med.get("FSDP2+torch.Muon"), med["AdamW"]
+    tokens = BATCHES[preset][0] * BATCHES[preset][1] * accum
+    lines = [f"\n### {preset}, world {world}, {tokens:,} tokens per step ({len(runs['AdamW'])} alternating runs)\n",
              "| impl | optimizer step s | / FSDP2+torch.Muon | whole step s | / AdamW | sent in the optimizer step MB "
              "| Newton-Schulz GFLOP, max rank | max/mean | all_to_alls' share of the optimizer step | waiting for "
              "the slowest rank |", "|---|---|---|---|---|---|---|---|---|---|"]
     for impl, m in med.items():
         share = f"{m['exchange']:.2f} | {m['skew']:.2f}" if impl == "fullshard+Muon" else "- | -"
-        lines.append(f"| {impl} | {m['opt']:.3f} | {m['opt'] / fsdp2['opt']:.2f} | {m['step']:.3f} | "
+        lines.append(f"| {impl} | {m['opt']:.3f} | {m['opt'] / fsdp2['opt'] if fsdp2 else float('nan'):.2f} | "
+                     f"{m['step']:.3f} | "
                      f"{m['step'] / adamw['step']:.2f} | {m['sent'] / 2**20:.1f} | {m['flops'] / 1e9:.1f} | "
                      f"{m['imbalance']:.2f} | {share} |")
     return "\n".join(lines)
@@ -245,6 +249,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step (gradients accumulated)")
+    parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--impl")
     parser.add_argument("--preset")
@@ -255,11 +261,11 @@ def main() -> None:
         return
     for preset in args.presets.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
-            runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
+            runs: dict[str, list[dict]] = {impl: [] for impl in args.impls.split(",")}
             for _ in range(args.rounds):
-                for impl in IMPLS:
-                    runs[impl].append(launch(impl, preset, world, args.steps, args.warmup))
-            print(table(preset, world, runs), flush=True)
+                for impl in runs:
+                    runs[impl].append(launch(impl, preset, world, args.steps, args.warmup, args.accum))
+            print(table(preset, world, runs, args.accum), flush=True)
 
 
 if __name__ == "__main__":
