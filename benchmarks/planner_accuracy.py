@@ -11,12 +11,14 @@ nothing measurable; capping oneDNN at AVX2 reproduces an AVX2 machine's bf16 mem
 The planner's runtime probe (Note [runtime probe] in fullshard/planner.py) runs under the
 same caps, as it would on such a machine.
 
-Each configuration runs in a fresh `torchrun` with MALLOC_MMAP_THRESHOLD_=65536, so that
-memory the allocator frees goes back to the OS and the resident set follows live
-memory; the measured figure is the peak RSS (VmHWM) above the RSS before the model is
-built. Bytes are fullshard.stats' count of one step, and the step time the median of steps
-2-6 (slowest rank); all are compared with fullshard.plan's prediction for the same
-configuration (wrap per block, limit 2) on the "cpu" hardware figures. World 4 runs 4 ranks
+Each configuration runs in a fresh `torchrun` whose ranks return freed memory to the OS as
+`fullshard train`'s do (return_freed_memory in fullshard/stats.py; no environment variable), so
+that the resident set follows live memory; the measured figure is each rank's whole peak
+RSS (VmHWM), the largest over ranks: the planner's basis, what `fullshard train` reports
+(less the text train holds beside, which train adds to the plan itself). Bytes are
+fullshard.stats' count of one step, and the step time the median of steps 2-6 (slowest
+rank); all are compared with fullshard.plan's prediction for the same configuration (wrap
+per block, limit 2) on the "cpu" hardware figures. World 4 runs 4 ranks
 on this machine's 2 cores, so its times are not comparable.
 """
 
@@ -58,13 +60,12 @@ def worker(preset: str, strategy: str, precision: str, batch: int, wrap: str, ch
 
     import fullshard
     from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
-    from fullshard.stats import process_memory
+    from fullshard.stats import process_memory, return_freed_memory
 
+    return_freed_memory()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     x = torch.randint(0, 256, (batch, 129))
-    open("/proc/self/clear_refs", "w").write("5")
-    base = process_memory("VmRSS")
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(GPTConfig(block_size=128, vocab_size=256, **PRESETS[preset]))
@@ -85,7 +86,7 @@ def worker(preset: str, strategy: str, precision: str, batch: int, wrap: str, ch
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
-    peak = torch.tensor([float(process_memory("VmHWM") - base), statistics.median(times[1:])])  # the first step warms up
+    peak = torch.tensor([float(process_memory("VmHWM")), statistics.median(times[1:])])  # the first step warms up
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"peak": peak[0].item(), "step_s": peak[1].item(),
@@ -114,9 +115,10 @@ def main() -> None:
     if args[:1] == ["--levels"]:
         levels, args = args[1].split(","), args[2:]
     only = args  # e.g. "small,2,full_shard,bf16" to run some cases only
-    print("| level | preset | world | strategy | precision | batch/rank | wrap | checkpointing | runtime MB (probed) | "
-          "predicted MB | measured MB | error | predicted bytes = measured | predicted s/step | measured s/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| level | preset | world | strategy | precision | batch/rank | wrap | checkpointing | "
+          "runtime MiB (probed) | predicted MiB | measured MiB | error | predicted bytes = measured | predicted s/step | measured s/step | "
+          "time error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for level in levels:
         os.environ.update(LEVELS[level])  # for the workers and for the planner's probe
         planner._probed.clear()
@@ -139,7 +141,8 @@ def main() -> None:
                   f"{plan.hardware.runtime[precision] / 2**20:.1f} | {c.peak / 2**20:.1f} | {got['peak'] / 2**20:.1f} "
                   f"| {100 * (c.peak - got['peak']) / got['peak']:+.1f}% | "
                   f"{'yes' if exact else 'no: ' + str((c.sent_intra, got['intra'], c.sent_cross, got['cross']))} "
-                  f"| {c.step_s:.3f} | {got['step_s']:.3f} |", flush=True)
+                  f"| {c.step_s:.3f} | {got['step_s']:.3f} | "
+                  f"{100 * (c.step_s - got['step_s']) / got['step_s']:+.0f}% |", flush=True)
         for name in LEVELS[level]:
             del os.environ[name]
 
@@ -149,7 +152,7 @@ def run_case(preset: str, world: int, strategy: str, precision: str, batch: int,
     """One configuration in a fresh `torchrun` (the level's caps are in os.environ)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
                "--worker", preset, strategy, precision, str(batch), wrap, str(int(checkpointing)), str(out)]
         for attempt in (1, 2):  # a run that crashes in torch's teardown is tried once more, and said so

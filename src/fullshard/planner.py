@@ -48,7 +48,7 @@ from fullshard.optim import muon_groups, newton_schulz_flops
 from fullshard.param import shard_numel
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.quantize import GATHER_BLOCK, quantized_bytes
-from fullshard.stats import process_memory
+from fullshard.stats import process_memory, return_freed_memory
 from fullshard.wrap import choose_units, recompute, shard_model
 
 
@@ -71,6 +71,7 @@ class Hardware:
     host_bw: float = 0.0  # bytes/s between host and device memory per rank (CPU offload; 0: no offload candidates)
     host_optimizer: float = 0.0  # parameters/s the host's optimizer step updates per rank (CPU offload)
     host_memory: float = 0.0  # bytes of host memory per rank that offloading may fill
+    cores: int = 0  # the probed CPU's cores: its plan is for ranks on that machine, which share them
 
 
 HARDWARE = {
@@ -93,7 +94,17 @@ HARDWARE = {
 }
 
 
-INT8_GAIN = 1.25  # how much faster quantized gathers or reductions must make a step to be chosen over exact ones
+INT8_GAIN = 1.25
+# Note [peak margin]: a CPU candidate fits a budget when its predicted peak and this share of
+# it do: the planner's error on the accuracy table (docs/planner.md) stays within it, so a
+# run planned for a budget peaks below it as `fullshard train` reports. GPU figures are on
+# paper: a budget there is the allocator's peak plus the runtime stated apart.
+PEAK_MARGIN = 0.05
+
+
+def needed(c: Candidate, hw: Hardware) -> int:
+    """The budget candidate `c` needs (Note [peak margin])."""
+    return int(c.peak * (1 + PEAK_MARGIN)) if hw.device == "cpu" else c.peak + hw.runtime[c.precision]  # how much faster quantized gathers or reductions must make a step to be chosen over exact ones
 
 
 @dataclass
@@ -142,22 +153,22 @@ class Plan:
 
     def table(self) -> str:
         head = ("| wrap | strategy | limit | precision | checkpointing | offload | gathers | reductions | "
-                "peak MB/rank | sent in group MB | sent across MB | step s | fits |\n"
+                "peak MiB/rank | sent in group MiB | sent across MiB | step s | fits |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         return head + "\n" + "\n".join(c.row() for c in self.candidates)
 
     def explain(self) -> str:
         c = self.chosen
-        parts = ", ".join(f"{k} {v / 2**20:.0f} MB" for k, v in c.memory.items() if v)  # parts, not all at once
+        parts = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in c.memory.items() if v)  # parts, not all at once
         return (f"chosen: wrap={c.wrap}, strategy={c.strategy}, limit_all_gathers={c.limit_all_gathers}, "
                 f"precision={c.precision}, checkpointing={'on' if c.checkpointing else 'off'}, "
                 f"offload={'on' if c.offload else 'off'}"
                 f"{', int8 gathers (they change numerics: Note [int8 gathers])' if c.gather == 'int8' else ''}"
                 f"{f', gradients sent in {c.reduce} (Note [low-precision reductions])' if c.reduce != 'exact' else ''}"
-                f"{f', Muon exchanging {c.sent_optimizer / 2**20:.1f} MB' if c.sent_optimizer else ''}: "
+                f"{f', Muon exchanging {c.sent_optimizer / 2**20:.1f} MiB' if c.sent_optimizer else ''}: "
                 f"the fastest predicted "
                 f"step ({c.step_s:.3f} s on {self.hardware.name}) of the {sum(x.fits for x in self.candidates)} "
-                f"candidates within {self.memory_budget / 2**20:.0f} MB per rank; peak {c.peak / 2**20:.0f} MB ({parts})")
+                f"candidates within {self.memory_budget / 2**20:.0f} MiB per rank; peak {c.peak / 2**20:.0f} MiB ({parts})")
 
 
 # ---- measuring the model on meta ----------------------------------------------------------
@@ -380,7 +391,10 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     c.memory = {"runtime": runtime, "shards": on_device * S, "optimizer": on_device * int(optimizer_states * S),
                 "activations": acts, "full parameters": kept + ahead, "buffers": pending + unit_grads,
                 "gradients": on_device * S, "optimizer step": step_buffers}
-    c.peak = runtime + on_device * int((1 + optimizer_states) * S) + max(backward_start, backward_end)
+    # Note [peak margin]: on a CPU the process's peak resident memory, as `fullshard train`
+    # reports it; on a GPU the allocator's peak (torch.cuda.max_memory_allocated), the runtime apart
+    c.peak = (runtime if hardware.device == "cpu" else 0) + on_device * int((1 + optimizer_states) * S) + \
+        max(backward_start, backward_end)
     c.host = (1 - on_device) * (2 + optimizer_states) * S
     # traffic: what fullshard.stats counts
     gathers = [1] + [1 if keep_all or i == len(units) - 1 else 2 for i in range(1, len(units))] \
@@ -392,7 +406,10 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     # each rank sends its rows of the other ranks' matrices and gets its rows of their updates, both bf16
     c.sent_optimizer = 2 * 2 * exchanged * (F - 1) // (F * F)
     flops = (8 if c.checkpointing else 6) * param_count * tokens
-    c.compute_s = compute_s = flops / hardware.flops[c.precision]
+    # a probed CPU's plan is for ranks on that machine (as `fullshard train` starts them): more
+    # ranks than its cores share them, each computing that much slower
+    shared = max(1.0, world / hardware.cores) if hardware.cores else 1.0
+    c.compute_s = compute_s = flops / hardware.flops[c.precision] * shared
     # a ring spanning nodes leaves each node once per ring, and there are as many rings as the
     # node has interfaces: a rank's bytes move at the node's network bandwidth, or NVLink's if
     # lower. Replicas of a hybrid shard group are a ring of one rank per node: every hop leaves.
@@ -420,12 +437,15 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
 # ---- measuring this machine, Note [runtime probe] ------------------------------------------
 
 # Note [runtime probe]: besides tensors, a process holds memory that depends on the
-# machine, not the model: library code paged in as kernels first run, oneDNN's JIT
-# kernels and caches, allocator and autograd state. It differs by instruction set (on a
-# CPU without AVX-512 bf16, oneDNN runs bf16 matmuls another way and a process holds ~14
-# MB less), so it is measured, not tabled: a fresh process trains a tiny GPT for 3 steps,
-# and its peak resident memory minus what this planner counts for that GPT's tensors is
-# the runtime term. Compute differs likewise (bf16 matmuls run ~100x slower without
+# machine, not the model: Python, torch's and fullshard's code and data, library code paged
+# in as kernels first run, oneDNN's JIT kernels and caches, allocator and autograd state. It
+# differs by instruction set (on a CPU without AVX-512 bf16, oneDNN runs bf16 matmuls
+# another way and a process holds ~14 MB less), so it is measured, not tabled: a fresh
+# process trains a tiny GPT for 3 steps, and its peak resident memory (the whole process's,
+# as the OS counts it, with freed memory returned as stats.return_freed_memory makes
+# `fullshard train`'s ranks return it) minus what this planner counts for that GPT's tensors
+# is the runtime term. So a CPU plan's peak is the peak `fullshard train` reports for the
+# same run, less what the CLI holds beside (the text it trains on, which it adds itself). Compute differs likewise (bf16 matmuls run ~100x slower without
 # AVX-512 bf16), so the same process times one large matmul, and a step's FLOP/s are a
 # fixed share of that rate. The probe runs once per process and precision, on rank 0 when
 # a process group is up (every rank must plan alike), in ~3-5 s. GPU figures stay on
@@ -434,10 +454,11 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
 
 PROBE_CONFIG = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=64)
 PROBE_BATCH = 2
-# A CPU training step sustains this share of one large matmul's rate (fitted on the machine
-# of docs/planner.md: 60 and 125 GFLOP/s per rank against 103 and 221 for the probe's
-# matmul, fp32 and bf16), so the probe's matmul times give the step's FLOP/s on any CPU
-CPU_STEP_EFFICIENCY = 0.57
+# A CPU training step sustains this share of one large matmul's rate, by precision (fitted
+# on the machine of docs/planner.md's table: a bf16 step spends more of its time outside
+# the matmuls, in casts and elementwise kernels that bf16 does not speed up), so the probe's
+# matmul times give the step's FLOP/s on any CPU
+CPU_STEP_EFFICIENCY = {"fp32": 0.57, "bf16": 0.27}
 
 
 @dataclass(frozen=True)
@@ -450,14 +471,13 @@ class Probe:
 
 def probe(precision: str) -> str:
     """In a fresh process: the peak resident memory of 3 AdamW steps of the probe GPT sharded
-    per block in `precision`, above the memory held before the model is built, then the rate
-    of one large matmul; as "bytes flops"."""
+    per block in `precision`, the whole process's (Python, torch and fullshard included, freed
+    memory returned as `fullshard train` returns it), then the rate of one large matmul; as
+    "bytes flops"."""
+    return_freed_memory()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # nothing listens
     x = torch.randint(0, PROBE_CONFIG.vocab_size, (PROBE_BATCH, PROBE_CONFIG.block_size + 1))
-    with open("/proc/self/clear_refs", "w") as f:  # restart the peak (VmHWM) from now
-        f.write("5")
-    before = process_memory("VmRSS")
     with torch.device("meta"):
         model = GPT(PROBE_CONFIG)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16" else None
@@ -467,7 +487,7 @@ def probe(precision: str) -> str:
         model(x[:, :-1], x[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    peak = process_memory("VmHWM") - before
+    peak = process_memory("VmHWM")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     a, b = torch.randn(512, 384, dtype=dtype), torch.randn(384, 1536, dtype=dtype)
     seconds: list[float] = []
@@ -491,8 +511,7 @@ def measured(precisions: tuple[str, ...]) -> list[Probe]:
 
 def _run_probes(precisions: tuple[str, ...]) -> list[Probe]:
     """Probe each precision in its own fresh process (at once); subtract the probe GPT's tensors."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",  # freed memory goes back: RSS follows live memory
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = [subprocess.Popen([sys.executable, "-c", f"from fullshard.planner import probe; print(probe({prec!r}))"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for prec in precisions]
     with torch.device("meta"):
@@ -531,8 +550,9 @@ def calibrated(hw: Hardware, precisions: tuple[str, ...]) -> Hardware:
         broadcast_from_rank0([agreed])
         figures = agreed.tolist()
     runtime = {prec: int(nbytes) for prec, (nbytes, _) in zip(precisions, figures)}
-    flops = {prec: rate * CPU_STEP_EFFICIENCY for prec, (_, rate) in zip(precisions, figures)}
-    return dataclasses.replace(hw, runtime={**hw.runtime, **runtime}, flops={**hw.flops, **flops})
+    flops = {prec: rate * CPU_STEP_EFFICIENCY[prec] for prec, (_, rate) in zip(precisions, figures)}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return dataclasses.replace(hw, runtime={**hw.runtime, **runtime}, flops={**hw.flops, **flops}, cores=cores)
 
 def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch: int, seq: int,
          optimizer: str = "adamw", hardware: str | Hardware = "cpu", precisions: tuple[str, ...] = ("fp32", "bf16"),
@@ -548,7 +568,13 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
     Args:
         model: a meta-device model (``with torch.device("meta"): model = Net()``).
         world_size: ranks the job will run on.
-        memory_budget: bytes per rank the peak must stay within.
+        memory_budget: bytes per rank the peak must stay within. The peak is the one `fullshard
+            train` reports: on a CPU the process's peak resident memory as the OS counts it
+            (Python, torch and fullshard included, freed memory returned as
+            ``return_freed_memory`` (fullshard/stats.py) makes train's ranks return it; the text
+            train holds beside is the CLI's to add), which must fit with a 5% margin (Note
+            [peak margin]); on a GPU the allocator's peak (``torch.cuda.max_memory_allocated``),
+            which must fit with the hardware's runtime (CUDA context, NCCL) added.
         batch: sequences per rank per micro-batch.
         seq: tokens per sequence.
         optimizer: ``"adamw"`` (2 states per parameter), ``"sgd"`` (momentum: 1), ``"muon"``
@@ -625,16 +651,16 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
         c = Candidate(wrap, strategy, limit, prec, ck, offload, gather, reduce)
         cost(c, shapes[wrap], world=dp_world, acts=acts[(prec, ck)], optimizer_states=states, hardware=hw,
              tokens=batch * seq, matrices=matrices)
-        c.fits = c.peak <= memory_budget and c.host <= hw.host_memory
+        c.fits = needed(c, hw) <= memory_budget and c.host <= hw.host_memory
         candidates.append(c)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         least = min((c for c in candidates if c.host <= hw.host_memory), key=lambda c: c.peak)
-        raise fail(f"no sharding of this model fits {memory_budget / 2**20:.0f} MB per rank at world size "
-                   f"{world_size} (batch {batch} x {seq}); the smallest peak is {least.peak / 2**20:.0f} MB "
+        raise fail(f"no sharding of this model fits {memory_budget / 2**20:.0f} MiB per rank at world size "
+                   f"{world_size} (batch {batch} x {seq}); the smallest peak is {least.peak / 2**20:.0f} MiB "
                    f"(wrap={least.wrap}, {least.strategy}, {least.precision}, checkpointing "
                    f"{'on' if least.checkpointing else 'off'}, offload {'on' if least.offload else 'off'})",
-                   f"Give each rank at least {least.peak / 2**20:.0f} MB, use more ranks, or a smaller batch.")
+                   f"Give each rank at least {needed(least, hw) / 2**20:.0f} MiB, use more ranks, or a smaller batch.")
     # quantized gathers and reductions change numerics: chosen only when nothing exact fits, or
     # when they make the step at least INT8_GAIN times faster (a step bound by the network)
     fastest = min(fitting, key=lambda c: (c.step_s, c.peak))

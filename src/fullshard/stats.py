@@ -131,6 +131,19 @@ class Stats:
         return out
 
 
+def return_freed_memory() -> None:
+    """Make glibc give freed memory back to the OS: its mmap threshold (which grows to 32 MB as
+    tensors are freed) set to 64 KiB, so that this process's resident memory follows its live
+    tensors. `fullshard train`'s ranks and the planner's probe run so (Note [runtime probe]):
+    the peak the planner predicts is the peak train reports. A no-op where glibc is absent."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def process_memory(field: str) -> int:
     """One of this process's memory figures in /proc/self/status (VmRSS, VmHWM, ...), in bytes (Linux)."""
     with open("/proc/self/status") as f:

@@ -1,4 +1,6 @@
-"""`fullshard train`: train a byte-level GPT with fullshard, end to end; `fullshard bench`.
+"""`fullshard train`: train a byte-level GPT with fullshard, end to end; `fullshard bench`: the
+step benchmark against torch's FSDP2, FSDP1 and DDP; `fullshard plan`: every sharding's
+predicted peak memory (as train reports it), traffic and step time, before running.
 
 With no arguments it trains the "small" GPT on Python's own standard library (read as
 bytes: nothing to download) on 2 local ranks for a few minutes, and writes to
@@ -105,7 +107,8 @@ def parser() -> Parser:
     plan_parser.add_argument("--world-size", type=int, default=2, help="ranks")
     plan_parser.add_argument("--memory-budget", default="2GiB", help="bytes per rank, e.g. 2GiB")
     plan_parser.add_argument("--hardware", default="cpu", help="cpu, a100 or h100 (fullshard.planner.HARDWARE)")
-    plan_parser.add_argument("--optimizer", default="adamw", help="adamw, sgd, muon (fullshard.optim.Muon for the matrices, AdamW for the rest) or none")
+    plan_parser.add_argument("--optimizer", default="adamw",
+                             help="adamw, sgd, muon (fullshard.optim.Muon on the matrices, AdamW on the rest) or none")
     return top
 
 
@@ -129,9 +132,15 @@ def plan_command(args: argparse.Namespace) -> int:
         return fatal(str(e))
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {dims}, {params / 1e6:.1f}M parameters; world {args.world_size}, batch {args.batch} x {args.seq_len} "
-          f"per rank; {plan.hardware.name}; budget {budget / 2**20:.0f} MB per rank\n")
+          f"per rank; {plan.hardware.name}; budget {budget / 2**20:.0f} MiB per rank\n")
     print(plan.table())
     print("\n" + plan.explain())
+    if plan.hardware.device == "cpu":
+        print("\nPeaks are each rank's whole process, as `fullshard train` reports them, less the text it trains on "
+              "(train adds it: the default corpus is about 30 MiB); a plan fits when its peak and 5% do.")
+    else:
+        print(f"\nPeaks are torch.cuda.max_memory_allocated, as `fullshard train` reports them on GPUs; a plan fits "
+              f"when its peak and the runtime ({plan.hardware.name}'s CUDA context and NCCL buffers) do.")
     return 0
 
 

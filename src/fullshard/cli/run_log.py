@@ -66,8 +66,8 @@ def summary(steps: int, rows: list[dict], out: Path) -> str:
         f"| training loss (last step) | {trained[-1]['loss']:.4f} |" if trained else "| training loss | - |",
         f"| steps | {trained[-1]['step'] if trained else 0} of {steps} |",
         f"| tokens/s (median) | {tok_s:.0f} |",
-        f"| peak memory per rank | {peak:.0f} MB |",
-        f"| sent per step per rank (median) | {sent / 2**20:.1f} MB |",
+        f"| peak memory per rank (CPU: the process's resident set; GPU: max_memory_allocated) | {peak:.0f} MiB |",
+        f"| sent per step per rank (median) | {sent / 2**20:.1f} MiB |",
         f"| metrics | {out / 'metrics.jsonl'} |",
         f"| plot | {out / 'loss.png'} |",
         f"| checkpoint | {out / 'checkpoint'} (resumed by running the same command again) |",
@@ -95,7 +95,7 @@ def plot(rows: list[dict], path: Path, saves: list[int] = ()) -> None:
     for rank in range(max((len(r["peak_mem_mb"]) for r in train_rows), default=0)):
         ran = [r for r in train_rows if rank < len(r["peak_mem_mb"])]
         memory.plot([r["step"] for r in ran], [r["peak_mem_mb"][rank] for r in ran], label=f"rank {rank}")
-    memory.set(xlabel="step", ylabel="MB", title="peak memory per rank")
+    memory.set(xlabel="step", ylabel="MiB", title="peak memory per rank (CPU: resident set; GPU: allocated)")
     memory.legend()
     timed = [r for r in train_rows if "step_s" in r]
     times.plot([r["step"] for r in timed], [r["step_s"] for r in timed], linewidth=0.8, label="step")

@@ -31,7 +31,8 @@ from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.cli.run_log import open_log, plot, read_rows, summary
 from fullshard.collectives import all_reduce_
-from fullshard.errors import CollectiveError, FullShardError, collective_failed
+from fullshard.errors import CollectiveError, FullShardError, collective_failed, fail
+from fullshard.stats import return_freed_memory
 from fullshard.gpt import GPT, Block, GPTConfig
 
 NCCL_WATCHDOG_GRACE = timedelta(seconds=60)  # Note [cli deadlines]
@@ -60,6 +61,7 @@ def train(cfg: TrainConfig) -> int:
     """This rank's whole run; its exit status (a FullShardError propagates: status 3)."""
     # stop quietly: SIGINT, like SIGTERM, ends a rank without a traceback
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return_freed_memory()  # the basis of the planner's peaks and of the peak reported here
     die_with_launcher()
     out = Path(cfg.out)
     lock = None
@@ -135,15 +137,15 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
     with torch.device("meta"):
         model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
     n_params = sum(p.numel() for p in model.parameters())
-    setting = shard(model, cfg, world, rank, device)
+    setting = shard(model, cfg, world, rank, device, held=len(train_bytes) + len(val_bytes))
     model.set_timeout(cfg.timeout)
     model.set_debug_checks(cfg.debug_checks)
     model.set_nonfinite_grads(nonfinite_policy(cfg))
     optimizer = make_optimizer(model, cfg)
     run = Run(cfg, rank, world, device, model, optimizer,
               scaler=fullshard.GradScaler(device.type) if cfg.precision == "fp16" else None,
-              train_data=torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8),
-              val_data=torch.frombuffer(bytearray(val_bytes), dtype=torch.uint8))
+              train_data=torch.frombuffer(train_bytes, dtype=torch.uint8),
+              val_data=torch.frombuffer(val_bytes, dtype=torch.uint8))
     description = (f"fullshard {version()}: GPT {cfg.preset} {dims}, {n_params / 1e6:.2f}M parameters, "
                    f"{world} ranks ({device.type}), {setting}; data: {source}, {len(train_bytes) / 1e6:.1f} MB "
                    f"train / {len(val_bytes) / 1e6:.1f} MB validation")
@@ -164,15 +166,23 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
                                 weight_decay=cfg.weight_decay)
 
 
-def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, device: torch.device) -> str:
-    """Shard `model` as the options say, or as fullshard.plan chooses (--plan auto); how, in words."""
+def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, device: torch.device, held: int) -> str:
+    """Shard `model` as the options say, or as fullshard.plan chooses (--plan auto: for the
+    budget less the `held` bytes of text each rank keeps in host memory on a CPU, which the
+    planner's peak, the rest of the process's, does not count); how, in words."""
     if cfg.plan == "auto":
-        plan = fullshard.plan(model, world_size=world, memory_budget=parse_bytes(cfg.memory_budget),
+        held = held if device.type == "cpu" else 0
+        budget = parse_bytes(cfg.memory_budget) - held
+        if budget <= 0:
+            raise fail(f"--memory-budget {cfg.memory_budget} is less than the {held / 2**20:.0f} MiB of text each rank "
+                       f"holds, before any model", "Give each rank more memory, or train on less text (--data).")
+        plan = fullshard.plan(model, world_size=world, memory_budget=budget,
                               batch=cfg.global_batch // world // cfg.grad_accum, seq=cfg.seq_len,
                               hardware="a100" if device.type == "cuda" else "cpu", optimizer=cfg.optimizer)
         fullshard.apply_plan(model, plan)
         if rank == 0:
-            print(plan.explain(), flush=True)
+            print(plan.explain() + (f"; with the {held / 2**20:.0f} MiB of text each rank holds: "
+                                    f"{(plan.chosen.peak + held) / 2**20:.0f} MiB" if held else ""), flush=True)
         return f"planned: {plan.chosen.strategy}, {plan.chosen.precision}"
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     gather = {"int8": torch.int8, "float8": torch.float8_e4m3fn}.get(cfg.gather)
