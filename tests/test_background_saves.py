@@ -130,3 +130,39 @@ def test_a_script_whose_last_background_save_fails_at_exit_exits_with_1(tmp_path
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
     assert "fullshard: " in done.stderr and "No space left on device" in done.stderr, done.stderr[-2000:]
     assert not latest
+
+
+DESTROYING = """
+    import sys, time
+    import torch, torch.distributed as dist
+    import fullshard
+    from fullshard.checkpoint import background
+    from fullshard.gpt import GPT, Block, GPTConfig
+
+    rank = int(sys.argv[3])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = fullshard.shard_model(GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)),
+                                  wrap={Block})
+    start = background.start  # the writer waits a moment, so the groups are gone before it writes
+    background.start = lambda what, write: start(what, lambda: (time.sleep(1.0), write()))
+    handle = fullshard.save(sys.argv[1], model, step=1, block=False)
+    dist.destroy_process_group()
+    try:
+        handle.result()
+        print("saved")
+    except fullshard.FullShardError as e:
+        print("refused:", e)
+"""
+
+
+def test_destroying_the_process_groups_during_a_background_save_fails_it_by_name(tmp_path):
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(DESTROYING), str(tmp_path / "ckpt"),
+                               str(tmp_path / "store"), str(rank)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [rank.communicate(timeout=120) for rank in ranks]
+    for (out, err), rank in zip(outs, ranks):
+        assert rank.returncode in (0, 1), err[-2000:]  # 1: the failed save reported again at exit
+        assert "refused:" in out and "destroy_process_group" in out and "handle.result()" in out, (out, err[-2000:])
+    assert not (tmp_path / "ckpt" / "LATEST").exists()  # nothing half-written became the checkpoint
