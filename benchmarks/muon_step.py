@@ -21,7 +21,7 @@ step (the c10d calls it makes, DTensor's included, as gloo's algorithms move the
 (N-1)/N of the output, all_to_all what goes to other ranks, all-reduce and reduce-scatter
 2(N-1)/N of the input), the Newton-Schulz FLOPs per rank
 (max and max/mean over ranks) and, for fullshard+Muon, the share of its optimizer step spent in
-its two all_to_alls (what layout (b) of Note [matrix optimizers] would save at most) and in
+its two exchanges (what layout (b) of Note [matrix optimizers] would save at most) and in
 waiting for the slowest rank before each (measured with a barrier in front of each, which only
 the benchmark adds: work the ranks do in different times, whatever their FLOPs).
 """
@@ -62,6 +62,8 @@ def sent_bytes(run, world: int) -> int:
                     shard = args[1] if name.startswith("_allgather_base") else args[0]
                     shard = shard[0] if isinstance(shard, (list, tuple)) else shard
                     self.sent += (world - 1) * shard.numel() * shard.element_size()
+                elif name.startswith("send"):  # point-to-point (gloo's route of fullshard's exchange)
+                    self.sent += sum(t.numel() * t.element_size() for t in args[0])
                 elif "allreduce" in name or "all_reduce" in name or "reduce_scatter" in name:
                     t = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
                     t = args[1] if name.startswith("_reduce_scatter_base") else t
@@ -148,16 +150,16 @@ def worker(args: argparse.Namespace) -> None:
     global_batch, seq = BATCHES[args.preset]
     generator = torch.Generator().manual_seed(0)
     local = global_batch // world
-    exchange = [0.0, 0.0]  # seconds in the all_to_alls, waiting for the slowest rank before them
-    if args.impl == "fullshard+Muon":  # time the two all_to_alls, apart from the ranks' skew before them
+    exchange = [0.0, 0.0]  # seconds in the exchanges, waiting for the slowest rank before them
+    if args.impl == "fullshard+Muon":  # time the two exchanges, apart from the ranks' skew before them
         send_rows = MatrixOptimizer.send_rows
 
-        def timed(self, send, sizes, device, m, what):
+        def timed(self, send, sizes, device, m, digest, leg, what):
             start = time.perf_counter()
             dist.barrier(m.group.shard_pg)
             ready = time.perf_counter()
             try:
-                return send_rows(self, send, sizes, device, m, what)
+                return send_rows(self, send, sizes, device, m, digest, leg, what)
             finally:
                 exchange[0] += time.perf_counter() - ready
                 exchange[1] += ready - start
@@ -231,7 +233,7 @@ def table(preset: str, world: int, runs: dict[str, list[dict]], accum: int) -> s
     tokens = BATCHES[preset][0] * BATCHES[preset][1] * accum
     lines = [f"\n### {preset}, world {world}, {tokens:,} tokens per step ({len(runs['AdamW'])} alternating runs)\n",
              "| impl | optimizer step s | / FSDP2+torch.Muon | whole step s | / AdamW | sent in the optimizer step MB "
-             "| Newton-Schulz GFLOP, max rank | max/mean | all_to_alls' share of the optimizer step | waiting for "
+             "| Newton-Schulz GFLOP, max rank | max/mean | exchanges' share of the optimizer step | waiting for "
              "the slowest rank |", "|---|---|---|---|---|---|---|---|---|---|"]
     for impl, m in med.items():
         share = f"{m['exchange']:.2f} | {m['skew']:.2f}" if impl == "fullshard+Muon" else "- | -"

@@ -104,6 +104,16 @@ def exit_status(args: list[str]) -> int:
     (["train", "--memory-budget", ""], "--memory-budget must be a size"),
     (["train", "--memory-budget", "2GiB"], "add --plan auto"),
     (["train", "--plan", "auto"], "--plan auto needs --memory-budget"),
+    # Muon's learning rate, checked before any rank starts, and only with Muon
+    (["train", "--optimizer", "muon", "--muon-lr", "-1"], "--muon-lr must be positive"),
+    (["train", "--optimizer", "muon", "--muon-lr", "nan"], "--muon-lr must be a finite number, got nan"),
+    (["train", "--optimizer", "muon", "--muon-lr", "inf"], "--muon-lr must be a finite number, got inf"),
+    (["train", "--optimizer", "muon", "--muon-lr", "1e9"], "--muon-lr must be at most 10"),
+    (["train", "--optimizer", "adamw", "--muon-lr", "-1"], "--muon-lr is Muon's learning rate, and --optimizer is adamw"),
+    # a flag that would do nothing here is refused, not announced
+    (["train", "--reduce", "bf16", "--nproc", "1"], "--reduce bf16 would change nothing here: one rank"),
+    (["train", "--reduce", "int8", "--strategy", "no_shard"], "--reduce int8 would change nothing here: no_shard"),
+    (["train", "--gather", "int8", "--nproc", "1"], "--gather int8 would change nothing here: one rank"),
 ])
 def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, tmp_path, args, says):
     for name, text in {"EMPTY_FILE": b"", "20_BYTE_FILE": b"def f(): return 42\n\n"}.items():

@@ -177,3 +177,24 @@ def test_ranks_at_other_checks_fail_naming_both():
     assert "the check of the first forward met the comparison of the parameters ranks shard of group rank 0" \
         in second["message"], second
     assert first["seconds"] < 3 and second["seconds"] < 3
+
+
+def unit_alone_job() -> dict:
+    """Rank 0's first forward is the model's, rank 1's one of its blocks alone."""
+    torch.manual_seed(0)
+    model = gpt(32)
+    fullshard.shard_model(model, wrap={Block})
+    model.set_timeout(3)
+    if dist.get_rank() == 0:
+        return timed(lambda: model(*batch()))
+    return timed(lambda: model.h[1](torch.randn(2, SEQ, 32)))
+
+
+def test_a_block_run_alone_on_one_rank_is_named_as_that_block():
+    with World(2, forked=True) as world:
+        first, second = world.run(unit_alone_job)
+    # rank 0 names what rank 1 ran by its place in the model rank 0 runs, not as that model
+    assert re.search(r"rank 0: model \d+ \(GPT\), training \(with gradients\); rank 1: unit 'h.1' of model \d+ "
+                     r"\(GPT\) alone", first["message"]), first
+    assert "ranks run their first forward differently" in second["message"], second
+    assert first["seconds"] < 3 and second["seconds"] < 3

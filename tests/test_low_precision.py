@@ -185,3 +185,33 @@ def test_unknown_send_dtypes_are_refused():
         fullshard.MixedPrecisionPolicy(reduce_send_dtype=torch.float8_e4m3fn)
     with pytest.raises(fullshard.FullShardError, match="gather_dtype=torch.bfloat16"):
         fullshard.MixedPrecisionPolicy(gather_dtype=torch.bfloat16)
+
+
+def subnormal_job() -> dict:
+    """int8 rows of float32 subnormals (Note [block codes]): values of 1 and 2 ulps, alike on both
+    ranks, average to themselves; values up to 190 ulps, unlike, within half their blocks' steps."""
+    ulp = 2.0**-149
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def grad(r: int) -> torch.Tensor:  # every rank's row: blocks of 0, 1 and 2 ulps, then larger values
+        rows = torch.zeros(world, 2048 // world)
+        half = rows.size(1) // 2
+        rows[:, :half] = torch.arange(half) % 3 * ulp
+        rows[:, half:] = torch.randint(-190, 191, (world, half), generator=torch.Generator().manual_seed(r)) * ulp
+        return rows.view(-1)
+
+    model = Weights(2048)
+    fullshard.fully_shard(model, mp_policy=fullshard.MixedPrecisionPolicy(reduce_send_dtype=torch.int8))
+    model(grad(rank)).backward()
+    got = model.w.grad.full_tensor().double()
+    xs = [grad(r).double() for r in range(world)]
+    exact = sum(xs) / world
+    steps = sum((block_steps(x, world) / ulp).ceil() * ulp for x in xs)  # each scale on the subnormal grid
+    bound = steps / 2 / world + 2.0**-150  # and the division's rounding on that grid
+    small = torch.arange(2048).view(world, -1)[:, : 1024 // world].reshape(-1)  # the 0, 1 and 2 ulp values
+    return {"within": bool(((got - exact).abs() <= bound).all()), "exact": torch.equal(got[small], exact[small])}
+
+
+def test_subnormal_gradients_keep_their_values_in_int8_rows(world2):
+    for got in world2.run(subnormal_job):
+        assert got == {"within": True, "exact": True}, got

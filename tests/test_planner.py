@@ -250,11 +250,17 @@ def test_plan_command_and_train_with_an_automatic_plan(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     peak = max(max(r["peak_mem_mb"]) for r in rows if "peak_mem_mb" in r) * 2**20
     assert peak <= budget // 2**20 * 2**20, (peak / 2**20, budget / 2**20, trained.stdout)
+    # a budget no plan fits: the planner's refusal, said once (not by every rank), sizes in their units
+    refused = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", "--preset", "tiny", "--steps", "1",
+                              "--plan", "auto", "--memory-budget", f"{sum(corpus_sizes(None)) + 2**20}",
+                              "--out", str(tmp_path / "refused")], env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 3 and refused.stderr.count("no sharding of this model fits 1 MiB per rank") == 1, \
+        refused.stderr[-3000:]
 
 
 def muon_job() -> dict:
     """A Muon step on a GPT sharded per block (the recipe: muon_groups, AdamW for the rest):
-    the bytes its all_to_alls send from this rank, and its optimizer state's bytes."""
+    the bytes its exchange sends from this rank, and its optimizer state's bytes."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fullshard.optim import Muon, muon_groups
@@ -269,8 +275,10 @@ def muon_job() -> dict:
         bytes = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.startswith("alltoall_base"):
+            if func.__name__.startswith("alltoall_base"):  # NCCL's route
                 self.bytes += sum(args[3]) - args[3][rank]  # (output, input, output splits, input splits, ...)
+            elif func.__name__.startswith("send"):  # gloo's: point-to-point (Note [matrix identity])
+                self.bytes += sum(t.numel() * t.element_size() for t in args[0])
             return func(*args, **(kwargs or {}))
 
     x = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(rank))

@@ -3,6 +3,8 @@ bytes they send, exactly, the error they make, and training next to bf16 gathers
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -59,6 +61,52 @@ def test_float8_gathers_keep_each_value_within_its_relative_step():
     s = scales.repeat_interleave(256)[:1000]
     bound = torch.maximum(shard.abs() * 2**-4, s * 2**-10) * (1 + 1e-6)
     assert ((full - shard).abs() <= bound).all(), ((full - shard).abs() / bound).max()
+
+
+def through_gather(shard: torch.Tensor, dtype: torch.dtype, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's shard quantized and rebuilt as a gather does (`host`: the CPU's plain path when
+    the scales allow; False: the path a GPU takes every time): (the full values, the scales sent)."""
+    full = torch.empty(shard.numel())
+    param = SimpleNamespace(shard_numel=shard.numel(), full_padded=full, replicated=False)
+    quantizer = Quantized(param, torch.float32, Context(UnitOptions(True, gather_dtype=dtype), shard.device, 1))
+    quantizer.host = host
+    q, scales = quantizer.inputs(shard)
+    quantizer.allocate(small=False)
+    for out, value in zip(quantizer.outputs(small=False), (q, scales)):
+        out.copy_(value)
+    quantizer.after(small=False)
+    return full, scales
+
+
+def test_nonfinite_and_subnormal_weights_come_back_as_themselves_in_every_block_format():
+    """Note [block codes]: a NaN, +inf or -inf in a block (alone, together, beside large and tiny
+    values) is rebuilt as itself, and the block's finite values stay within half its step; blocks
+    of float32 subnormals keep their values (1 and 2 ulps exact, 190 ulps within half a step,
+    where a scale rounded to the nearest subnormal clamped them); on both the CPU's path and the
+    GPU's."""
+    ulp = 2.0**-149
+    generator = torch.Generator().manual_seed(0)
+    shard = torch.randn(1100, generator=generator)
+    shard[3], shard[300], shard[301], shard[600], shard[601], shard[602] = \
+        math.nan, math.inf, -math.inf, math.nan, math.inf, 1e30
+    shard[768:1024] = torch.arange(256) % 3 * ulp  # 0, 1 and 2 ulps
+    shard[1024:] = torch.linspace(-190, 190, 76).round() * ulp
+    finite = torch.isfinite(shard)
+    for dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+        for host in (True, False):
+            full, scales = through_gather(shard, dtype, host)
+            for kind in (torch.isnan, torch.isposinf, torch.isneginf):
+                assert torch.equal(kind(full), kind(shard)), (dtype, host, kind)
+            assert (scales[:3] < 0).all() and (scales[3:] > 0).all(), scales  # the flag: three blocks
+            error = (full - shard).abs()[finite]
+            if dtype == torch.int8:
+                bound = scales.abs().repeat_interleave(256)[:1100][finite] / 2
+            else:  # float8: relative 2^-4 (e5m2 2^-3), or below its normal range half its subnormal step
+                s = scales.abs().repeat_interleave(256)[:1100][finite]
+                bound = torch.maximum(shard[finite].abs() * (2**-4 if dtype == torch.float8_e4m3fn else 2**-3),
+                                      s * 2**-9)
+            assert (error <= bound * (1 + 1e-6)).all(), (dtype, host, (error / bound).max())
+            assert torch.equal(full[768:1024], shard[768:1024]), (dtype, host)  # a few ulps: exact
 
 
 def train(gather_dtype, steps: int = 6) -> dict:

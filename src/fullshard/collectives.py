@@ -134,18 +134,31 @@ def barrier(timeout: timedelta, what: str) -> None:
              on_device=False)
 
 
-def all_to_all_bytes(send: list[list[torch.Tensor]], sizes: list[int], device: torch.device,
-                     group: dist.ProcessGroup, caller: Caller) -> list[torch.Tensor]:
-    """One all_to_all of bytes over `group`: the uint8 tensors send[r] to group rank r, sizes[r]
-    bytes from it, returned per rank (a matrix optimizer's rows to their owners and back).
-    What is sent is copied once, into the one buffer the collective reads."""
-    parts = [t for to_rank in send for t in to_rank]
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+def exchange_bytes(send: list[list[torch.Tensor]], sizes: list[int], device: torch.device,
+                   group: dist.ProcessGroup, caller: Caller, tag: int) -> list[torch.Tensor]:
+    """The uint8 tensors send[r] to group rank r and sizes[r] bytes from it, returned per rank (a
+    matrix optimizer's rows to their owners and back); nothing to or from this rank itself. On
+    gloo each peer's bytes go point-to-point under `tag`, a hash of what both sides expect (Note
+    [matrix identity]): a peer that expects other bytes never matches, and the wait ends in the
+    caller's CollectiveError, where gloo would abort the process on a message longer than the
+    receive posted. Elsewhere (NCCL, which has no tags) one all_to_all."""
+    rank = dist.get_rank(group)
     out = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    works = launched([dist.all_to_all_single(out, flat, sizes, [sum(t.numel() for t in to_rank) for to_rank in send],
-                                             group=group, async_op=True)], reads=[flat], writes=[out])
-    wait_all(works, caller, on_device=flat.device.type == "cuda")
-    return list(out.split(sizes))
+    received = list(out.split(sizes))
+    if runtime.active.backend(group, device) != "gloo":
+        parts = [t for to_rank in send for t in to_rank]
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        works = launched([dist.all_to_all_single(out, flat, sizes, [sum(t.numel() for t in to_rank) for to_rank in send],
+                                                 group=group, async_op=True)], reads=[flat], writes=[out])
+        wait_all(works, caller, on_device=flat.device.type == "cuda")
+        return received
+    flats = [torch.cat(to_rank) if to_rank else None for to_rank in send]
+    works = [dist.irecv(part, group=group, group_src=r, tag=tag) for r, part in enumerate(received)
+             if r != rank and part.numel()]
+    works += [dist.isend(flat, group=group, group_dst=r, tag=tag) for r, flat in enumerate(flats)
+              if r != rank and flat is not None and flat.numel()]
+    wait_all(launched(works, reads=[f for f in flats if f is not None], writes=[out]), caller, on_device=False)
+    return received
 
 
 def redistribute(value, placements: tuple, caller: Caller):

@@ -64,3 +64,11 @@ def replaced_while_full(fqn: str) -> FullShardError:
                 "sharding (e.g. crop_block_size or resize_token_embeddings before shard_model), between training "
                 "steps (load_state_dict(assign=True) of a sharded or full state dict), or in place inside `with "
                 "fullshard.full_params(model):`.")
+
+
+def in_bytes(nbytes: float) -> str:
+    """A size for a message, in the unit that shows it: "1000 B", "12.5 KiB", "65 MiB", "1.50 GiB"."""
+    for unit, shift, digits in (("GiB", 30, 2), ("MiB", 20, 0), ("KiB", 10, 1)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):,.{digits}f} {unit}"
+    return f"{nbytes:,.0f} B"

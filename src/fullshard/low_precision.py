@@ -1,31 +1,34 @@
 """Gradients sent in low precision and summed in float32: a row format of reduce.py.
 
-# Note [low-precision reductions]: with MixedPrecisionPolicy(reduce_send_dtype=...), each
-# rank's rows of a unit's reduce-scatter go on the wire as bf16 (or fp16), or as int8 in
-# blocks of REDUCE_BLOCK values with one float32 scale each (ZeRO++'s qgZ: s = max|x| / 127
-# over the block, q = round(x / s)); every block lies inside one parameter's row (or the
-# has-gradient flags'), so a parameter of small gradients never shares a scale with one of
-# large gradients, and the flags (0 or 1) arrive exact. The receiving rank adds its own row
-# as it is and every peer's row, decoded, in rank order into a float32 sum (the reduce
-# dtype's when that is wider), divides there and rounds once to the reduce dtype: each value
-# is rounded once on the wire and once at the end, whatever the world size. NCCL's own
-# reduce-scatter in bf16 instead rounds the partial sum at every hop of its ring, an error
-# that grows with the world (docs/precision.md measures both). So the rows never go through
-# a backend's reduction: on NCCL they move as one all_to_all, on gloo by its usual routes
-# (Note [collective choice]). A peer's row costs bf16's 2 bytes a value, or int8's
-# 1 + 4 / REDUCE_BLOCK (and up to 3 bytes of padding a row), against 4 for float32. The
-# all-reduce across replicas (hybrid sharding, no_shard) sends the reduce dtype as before.
+# Note [low-precision reductions]: with MixedPrecisionPolicy(reduce_send_dtype=...), each rank's
+# rows of a unit's reduce-scatter go on the wire as bf16, or as int8 in blocks of REDUCE_BLOCK
+# values with one float32 scale each (ZeRO++'s qgZ: s = max|x| / 127 over the block, q = round(x /
+# s); an inf or NaN arrives as itself, Note [block codes]); every block lies inside one parameter's
+# row (or the has-gradient flags'), so a parameter of small gradients never shares a scale with one
+# of large gradients, and the flags (0 or 1) arrive exact (fp16 is not offered: its range turns
+# finite gradients above 65504 into inf). The receiving rank adds its own row as it is and every
+# peer's row, decoded, in rank order into a float32 sum (the reduce dtype's when that is wider),
+# divides there and rounds once to the reduce dtype: each value is rounded once on the wire and
+# once at the end, whatever the world size. NCCL's own reduce-scatter in bf16 instead rounds the
+# partial sum at every hop of its ring, an error that grows with the world (docs/precision.md
+# measures both). So the rows never go through a backend's reduction: on NCCL they move as one
+# all_to_all, on gloo by its usual routes (Note [collective choice]). A peer's row costs bf16's 2
+# bytes a value, or int8's 1 + 4 / REDUCE_BLOCK (and up to 3 bytes of padding a row), against 4 for
+# float32. The all-reduce across replicas (hybrid sharding, no_shard) sends the reduce dtype as
+# before.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fullshard.blocks import Codes, decode, encode_, flagged
 from fullshard.options import UnitOptions
 from fullshard.reduce import register_row_format
 from fullshard.routes import BufferPool
 
 REDUCE_BLOCK = 256  # values per scale of an int8 row
+INT8 = Codes(torch.int8)
 
 
 def blocks_of(numel: int) -> int:
@@ -47,8 +50,8 @@ class LowPrecision:
 
     native = False  # a backend's reduce-scatter would round its partial sums
 
-    def __init__(self, dtype: torch.dtype, segments: list[int], options: UnitOptions) -> None:
-        self.dtype, self.send = dtype, options.reduce_send_dtype
+    def __init__(self, dtype: torch.dtype, segments: list[int], options: UnitOptions, host: bool) -> None:
+        self.dtype, self.send, self.host = dtype, options.reduce_send_dtype, host
         self.numel = sum(segments)
         self.wire_numel = sent_bytes(segments, self.send) // (1 if self.send == torch.int8 else self.send.itemsize)
         self.wire_dtype = torch.uint8 if self.send == torch.int8 else self.send
@@ -77,32 +80,31 @@ class LowPrecision:
         padded.zero_()
         for start, block, n in self.segments:
             padded[:, block * REDUCE_BLOCK : block * REDUCE_BLOCK + n].copy_(rows[:, start : start + n])
-        values = padded.view(world, self.blocks, REDUCE_BLOCK)
-        scales = values.abs().amax(dim=2).div_(127)  # [world, blocks]
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a block of zeros: any scale
-        values.div_(scales[:, :, None]).round_().clamp_(-127, 127)
+        scales = encode_(padded.view(world, self.blocks, REDUCE_BLOCK), INT8, self.host)  # [world, blocks]
         payload[:, : self.scale_bytes].view(torch.float32).copy_(scales)
         q = payload[:, self.scale_bytes : self.scale_bytes + self.numel].view(torch.int8)
         for start, block, n in self.segments:
             q[:, start : start + n].copy_(padded[:, block * REDUCE_BLOCK : block * REDUCE_BLOCK + n])
         pool.give(padded)
 
-    def add(self, total: torch.Tensor, row: torch.Tensor) -> None:
-        """Add a peer's row, decoded, to the sum `total` ([numel], float32 or wider)."""
+    def add(self, total: torch.Tensor, row: torch.Tensor, alpha: float) -> None:
+        """Add alpha times a peer's row, decoded, to the sum `total` ([numel], float32 or wider)."""
         if self.send != torch.int8:
-            total.add_(row)
+            total.add_(row, alpha=alpha)
             return
         scales = row[: self.scale_bytes].view(torch.float32)  # [blocks]
         q = row[self.scale_bytes : self.scale_bytes + self.numel].view(torch.int8)
+        full = flagged(scales, self.host)
         for start, block, n in self.segments:
             whole = n // REDUCE_BLOCK
             if whole:  # q * s, block by block, with no float32 copy of q
                 end = start + whole * REDUCE_BLOCK
-                total[start:end].view(whole, REDUCE_BLOCK).addcmul_(
-                    q[start:end].view(whole, REDUCE_BLOCK), scales[block : block + whole, None])
+                decode(q[start:end].view(whole, REDUCE_BLOCK), scales[block : block + whole, None],
+                       total[start:end].view(whole, REDUCE_BLOCK), INT8, full=full, add=True, alpha=alpha)
             if n % REDUCE_BLOCK:  # the segment's last, shorter block
                 last = start + whole * REDUCE_BLOCK
-                total[last : start + n].addcmul_(q[last : start + n], scales[block + whole : block + whole + 1])
+                decode(q[last : start + n], scales[block + whole : block + whole + 1], total[last : start + n],
+                       INT8, full=full, add=True, alpha=alpha)
 
 
 register_row_format(lambda options: options.reduce_send_dtype is not None, LowPrecision)

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.collectives import broadcast_from_rank0
-from fullshard.errors import fail, require
+from fullshard.errors import fail, in_bytes, require
 from fullshard.gpt import GPT, GPTConfig
 from fullshard.low_precision import sent_bytes
 from fullshard.optim import muon_groups, newton_schulz_flops
@@ -403,8 +403,9 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
         sum((F - 1) * r for r in sent_rows) if F > 1 else 0
     c.sent_cross = sum(2 * (R - 1) * r * reduce_ // R for r in rows) if R > 1 else 0
     c.collectives = (sum(gathers) + len(units) if F > 1 else 0) + (len(units) if R > 1 else 0)
-    # each rank sends its rows of the other ranks' matrices and gets its rows of their updates, both bf16
-    c.sent_optimizer = 2 * 2 * exchanged * (F - 1) // (F * F)
+    # each rank sends its rows of the other ranks' matrices and gets its rows of their updates, both bf16,
+    # each of the two messages to a peer led by the step's 8-byte digest (Note [matrix identity])
+    c.sent_optimizer = 2 * 2 * exchanged * (F - 1) // (F * F) + (2 * 8 * (F - 1) if exchanged else 0)
     flops = (8 if c.checkpointing else 6) * param_count * tokens
     # a probed CPU's plan is for ranks on that machine (as `fullshard train` starts them): more
     # ranks than its cores share them, each computing that much slower
@@ -656,11 +657,11 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         least = min((c for c in candidates if c.host <= hw.host_memory), key=lambda c: c.peak)
-        raise fail(f"no sharding of this model fits {memory_budget / 2**20:.0f} MiB per rank at world size "
-                   f"{world_size} (batch {batch} x {seq}); the smallest peak is {least.peak / 2**20:.0f} MiB "
+        raise fail(f"no sharding of this model fits {in_bytes(memory_budget)} per rank at world size "
+                   f"{world_size} (batch {batch} x {seq}); the smallest peak is {in_bytes(least.peak)} "
                    f"(wrap={least.wrap}, {least.strategy}, {least.precision}, checkpointing "
                    f"{'on' if least.checkpointing else 'off'}, offload {'on' if least.offload else 'off'})",
-                   f"Give each rank at least {needed(least, hw) / 2**20:.0f} MiB, use more ranks, or a smaller batch.")
+                   f"Give each rank at least {in_bytes(needed(least, hw))}, use more ranks, or a smaller batch.")
     # quantized gathers and reductions change numerics: chosen only when nothing exact fits, or
     # when they make the step at least INT8_GAIN times faster (a step bound by the network)
     fastest = min(fitting, key=lambda c: (c.step_s, c.peak))

@@ -11,7 +11,7 @@ from fullshard.errors import fail
 # what MixedPrecisionPolicy offers: block-quantized gathers (quantize.py), rows sent for a
 # float32 sum (low_precision.py)
 GATHER_DTYPES = tuple(getattr(torch, name) for name in ("int8", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
-REDUCE_SEND_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
+REDUCE_SEND_DTYPES = (torch.bfloat16, torch.int8)  # not fp16: its range would make large gradients inf
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ class MixedPrecisionPolicy:
             same bytes with a float8 value per element (relative steps of 2**-4 or 2**-3,
             for blocks of values of unlike sizes). ``None`` sends ``param_dtype``.
         gather_block: values per scale of a quantized gather.
-        reduce_send_dtype: ``torch.bfloat16`` (or ``torch.float16``) sends each rank's
-            gradient rows in that dtype, ``torch.int8`` as int8 blocks of 256 values with a
-            float32 scale each; the receiving rank sums them in float32 and rounds once to
+        reduce_send_dtype: ``torch.bfloat16`` sends each rank's gradient rows in bf16,
+            ``torch.int8`` as int8 blocks of 256 values with a float32 scale each (an inf or
+            NaN arrives as itself); the receiving rank sums them in float32 and rounds once to
             ``reduce_dtype`` (Note [low-precision reductions] in
             ``fullshard/low_precision.py``): 0.5x (0.26x) of float32's bytes, with an error
             that does not grow with the world, unlike a bf16 reduce-scatter's.
@@ -57,8 +57,9 @@ class MixedPrecisionPolicy:
                        "or None (gathers in param_dtype).")
         if self.reduce_send_dtype is not None and self.reduce_send_dtype not in REDUCE_SEND_DTYPES:
             raise fail(f"MixedPrecisionPolicy(reduce_send_dtype={self.reduce_send_dtype!r}) is not offered",
-                       "Pass torch.bfloat16 or torch.float16 (rows sent in that dtype) or torch.int8 (blocks "
-                       "with a scale each), all summed in float32; or None (rows sent in reduce_dtype).")
+                       "Pass torch.bfloat16 (rows sent in bf16) or torch.int8 (blocks with a scale each), both "
+                       "summed in float32; or None (rows sent in reduce_dtype). float16 is not offered: its range "
+                       "turns gradients above 65504 into inf; bf16 sends as few bytes with float32's range.")
         if type(self.gather_block) is not int or not 1 <= self.gather_block <= 1 << 20:
             raise fail(f"MixedPrecisionPolicy(gather_block={self.gather_block!r}) must be an int from 1 to 2**20",
                        "Pass e.g. 256 (the default).")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from fullshard import runtime
+from fullshard.blocks import Codes, decode, encode_, flagged
 from fullshard.gather import Context, Plain, register_format
 from fullshard.param import ShardedParam
 
@@ -44,8 +45,8 @@ class Quantized(Plain):
         super().__init__(p, full_dtype, context)
         self.block, self.world, device = context.options.gather_block, context.world, context.device
         self.qdtype = context.options.gather_dtype
-        self.integer = not self.qdtype.is_floating_point
-        self.qmax = float(torch.iinfo(self.qdtype).max if self.integer else torch.finfo(self.qdtype).max)
+        self.codes = Codes(self.qdtype)
+        self.host = runtime.active.host_memory(device)  # the scales readable at no cost (Note [block codes])
         self.numel = p.shard_numel
         self.blocks = -(-self.numel // self.block)
         self.dtypes, self.numels = [self.qdtype, torch.float32], [self.numel, self.blocks]
@@ -63,17 +64,12 @@ class Quantized(Plain):
                 runtime.active.allocated(buffer)
 
     def inputs(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's shard (flat, on the device) as q and one float32 scale per block."""
+        """This rank's shard (flat, on the device) as q and one float32 scale per block (Note [block codes])."""
         values = torch.zeros(self.blocks * self.block, dtype=torch.float32, device=shard.device)
         values[: self.numel].copy_(shard.reshape(-1))  # the last block padded with zeros, which are not sent
-        blocks = values.view(self.blocks, self.block)
-        scales = blocks.abs().amax(dim=1) / self.qmax
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = blocks / scales[:, None]
-        if self.integer:
-            q.round_()
-        q = q.clamp_(-self.qmax, self.qmax).to(self.qdtype)  # float8: rounded to nearest by the cast
-        return [q.view(-1)[: self.numel], scales]
+        scales = encode_(values.view(self.blocks, self.block), self.codes, self.host)
+        q = values.to(self.qdtype)  # float8: rounded to nearest by the cast
+        return [q[: self.numel], scales]
 
     def outputs(self, small: bool) -> list[torch.Tensor]:
         return [self.p.full_padded.view(-1)] if small else [self.q, self.scales]  # the 1/k copy holds values
@@ -87,19 +83,12 @@ class Quantized(Plain):
         scales = self.scales.view(self.world, self.blocks)
         q = self.q.view(self.world, self.numel)
         whole = self.numel // self.block * self.block
+        slow = flagged(scales, self.host)
         if whole:
-            self.scaled(q[:, :whole].view(self.world, -1, self.block), scales[:, : whole // self.block, None],
-                        full[:, :whole].view(self.world, -1, self.block))
+            decode(q[:, :whole].view(self.world, -1, self.block), scales[:, : whole // self.block, None],
+                   full[:, :whole].view(self.world, -1, self.block), self.codes, full=slow)
         if whole < self.numel:  # the last, shorter block
-            self.scaled(q[:, whole:], scales[:, -1:], full[:, whole:])
-
-    def scaled(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        """out = q * scales (broadcast), computed in float32 and rounded once to out's dtype."""
-        if self.integer:
-            torch.mul(q, scales, out=out)
-        else:  # torch does not promote float8: its values fit out's dtype exactly
-            out.copy_(q)
-            out.mul_(scales)
+            decode(q[:, whole:], scales[:, -1:], full[:, whole:], self.codes, full=slow)
 
     def free(self) -> None:
         for buffer in (self.q, self.scales):

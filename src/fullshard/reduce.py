@@ -10,12 +10,24 @@ blocks, summed in float32 where they arrive), chosen by the unit's options
 # Note [averaging]: gradients are averaged over the dp_size data-parallel ranks (divided by
 # a unit's set_gradient_divide_factor instead, when set). fp16 rows are divided before the
 # sum, whose fp16 range would overflow sooner. Otherwise NCCL averages inside the
-# collectives (ReduceOp.AVG, no extra kernel or pass over the row); elsewhere the sum is
-# divided afterwards. Each rank's rows are added in rank order. Where rows arrive to be
-# summed (gloo's routes, a row format that sums in float32), bf16/fp16 rows are added in a
-# float32 scratch row and divided there, so the row is rounded to the reduce dtype once.
-# The all-reduce across replicas (hybrid, no_shard) and NCCL's reduce-scatter sum in the
-# reduce dtype inside the backend.
+# collectives (ReduceOp.AVG, no extra kernel or pass over the row; NCCL scales each addend
+# by 1/n first); elsewhere the sum is divided afterwards. Each rank's rows are added in rank
+# order. Where rows arrive to be summed (gloo's routes, a row format that sums in float32),
+# bf16 rows are added in a float32 scratch row and divided there, so the row is rounded to
+# the reduce dtype once. The all-reduce across replicas (hybrid, no_shard) and NCCL's
+# reduce-scatter sum in the reduce dtype inside the backend.
+#
+# Note [no overflow]: a sum of n gradients can overflow where their average does not (two of
+# 3e38). Multiplying every addend by 2^-k, the power of two with 2^k >= n, keeps every partial
+# sum within the largest addend, and dividing the sum by the divisor times 2^-k gives bitwise
+# the plain sum's quotient (a power of two scales without rounding), except that addends below
+# 2^(k-126), float32 subnormals once scaled, lose their last bits. So: where rows are summed
+# in host memory, the plain sum is checked (its float64 sum, read by the host, is finite) and
+# only a row that overflowed (or holds an inf or NaN) is summed again, scaled; rows summed on
+# a device are scaled first, as NCCL's own average scales them; so are the rows NCCL sums
+# (ReduceOp.SUM), and a row before gloo's all-reduce across replicas, whose inputs are gone
+# once it has summed. `Reducing.scale` is what the row was multiplied by, divided out at the
+# end.
 #
 # Note [landing]: a reduced row becomes the shards' gradients on the compute stream as soon
 # as it is waited for, unless the host must see it first: with CPU offload (the row is copied
@@ -27,6 +39,7 @@ blocks, summed in float32 where they arrive), chosen by the unit's options
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -75,8 +88,9 @@ class Exact:
 
     native = True  # the backend's own reduce-scatter may sum them
 
-    def __init__(self, dtype: torch.dtype, segments: list[int], options=None) -> None:
-        """`segments`: the row's parts, each parameter's row then the has-gradient flags."""
+    def __init__(self, dtype: torch.dtype, segments: list[int], options=None, host: bool = True) -> None:
+        """`segments`: the row's parts, each parameter's row then the has-gradient flags; `host`:
+        the rows are in host memory."""
         self.dtype, self.wire_dtype, self.wire_numel = dtype, dtype, sum(segments)
 
     def pack_into(self, payload: torch.Tensor, pool: BufferPool) -> torch.Tensor:
@@ -86,9 +100,9 @@ class Exact:
     def encode(self, rows: torch.Tensor, payload: torch.Tensor, pool: BufferPool) -> None:
         """Write the packed rows into the send buffer's payload as they go on the wire."""
 
-    def add(self, total: torch.Tensor, row: torch.Tensor) -> None:
-        """Add a peer's row as received to the running sum `total` ([numel])."""
-        total.add_(row)
+    def add(self, total: torch.Tensor, row: torch.Tensor, alpha: float) -> None:
+        """Add alpha times a peer's row as received to the running sum `total` ([numel])."""
+        total.add_(row, alpha=alpha)
 
 
 @dataclass
@@ -101,6 +115,8 @@ class Reducing:
     all_here: bool  # every parameter had a gradient on this rank
     replicated: bool  # the all-reduce across replicas is owed (issued at once, or once the row is summed)
     divide_after: float
+    scale: float  # what the row was multiplied by, Note [no overflow]
+    own: torch.Tensor | None  # this rank's packed row, when rows arrive to be summed here
     all_reduce_works: list | None = None
     traffic: list[tuple[str, int]] = field(default_factory=list)  # (collective, bytes this rank sent)
 
@@ -111,7 +127,7 @@ ROW_FORMATS: list[tuple] = []
 
 def register_row_format(applies, cls: type) -> None:
     """Send the rows of units whose options satisfy `applies(options)` as `cls(dtype, segments,
-    options)` says (Exact's methods)."""
+    options, host)` says (Exact's methods)."""
     ROW_FORMATS.insert(0, (applies, cls))
 
 
@@ -125,7 +141,7 @@ class ReducePlan:
         self.numels = [p.shard_numel for p in params]
         self.row_numel = sum(self.numels) + len(params)  # [grad_shard_numel + n_flags]: a has-gradient flag each
         cls = next((cls for applies, cls in ROW_FORMATS if applies(options)), Exact)
-        self.format = cls(dtype, [*self.numels, len(params)], options)
+        self.format = cls(dtype, [*self.numels, len(params)], options, runtime.active.host_memory(device))
         shard_pg, replicate_pg = group.shard_pg, group.replicate_pg
         self.route = route_for(shard_pg, device, self.format.wire_numel, self.format.wire_dtype, uid=uid, kind=1,
                                native=self.format.native)
@@ -138,6 +154,17 @@ class ReducePlan:
         self.divide_by = divide_by
         self.replicate_pg = replicate_pg
         self.on_device = not runtime.active.host_memory(device)
+        # Note [no overflow]: the powers of two the rows are scaled by before the sums
+        sums = self.averaging.op == dist.ReduceOp.SUM and not self.averaging.divide_first
+        shard_scale = below(group.world) if sums and shard_pg is not None else 1.0
+        replica_scale = below(replicate_pg.size()) if sums and replicate_pg is not None else 1.0
+        if self.sums_here:
+            self.scale_first, self.scale_on_overflow = (1.0, shard_scale) if not self.on_device else (shard_scale, 1.0)
+            self.replica_scale = replica_scale
+        elif shard_pg is not None:  # the backend sums the rows, then the all-reduce: one scale for both
+            self.scale_first, self.scale_on_overflow, self.replica_scale = shard_scale * replica_scale, 1.0, 1.0
+        else:
+            self.scale_first, self.scale_on_overflow, self.replica_scale = 1.0, 1.0, replica_scale
         self.replicate_header = header(uid, 2, self.row_numel * dtype.itemsize) if checks_replicas(
             replicate_pg, device) else None  # Note [named hangs]
         self.grad_specs = [(p, p.spec_for(p.sharded.dtype)) for p in params]  # the sharded gradients' DTensors
@@ -155,6 +182,7 @@ class ReducePlan:
             all_here = all_here and g is not None
         compute, stream = rt.current_stream(self.device), rt.side_stream(self.device, "reduce")
         rows, sent = None, None
+        scale, own = self.scale_first, None  # Note [no overflow]
         if self.group.shard_pg is None:
             pack_rows(grads, self.numels, shard.view(1, -1))  # the only row is the result
         else:
@@ -162,7 +190,10 @@ class ReducePlan:
             rows = self.format.pack_into(payload, pool)  # [world, row_numel]
             pack_rows(grads, self.numels, rows)
             if self.sums_here:  # own row straight into the result, Note [collective choice]
-                shard.copy_(rows[rank])
+                own = rows[rank]
+                torch.mul(own, scale, out=shard) if scale != 1 else shard.copy_(own)
+            elif scale != 1:  # the backend sums them
+                rows.mul_(scale)
         if how.divide_first:
             for divided in (rows, shard if self.sums_here or self.group.shard_pg is None else None):
                 if divided is not None:
@@ -175,7 +206,7 @@ class ReducePlan:
                 self.format.encode(rows, payload, pool)
                 flight = route.reduce(sent, shard, how.op, pool, what, timeout)
         reducing = Reducing(flight, shard, rows if rows is not None and rows is not payload else None, all_here,
-                            replicate and self.replicate_pg is not None, how.divide_after)
+                            replicate and self.replicate_pg is not None, how.divide_after, scale, own)
         if self.group.shard_pg is not None:
             reducing.traffic.append(("reduce_scatter", (world - 1) * self.format.wire_numel
                                      * self.format.wire_dtype.itemsize))
@@ -197,6 +228,9 @@ class ReducePlan:
         stream = rt.side_stream(self.device, "all_reduce")
         rt.wait_stream(stream, rt.side_stream(self.device, "reduce"))
         with rt.use(stream):
+            if self.replica_scale != 1:  # Note [no overflow]
+                shard.mul_(self.replica_scale)
+                reducing.scale *= self.replica_scale
             reducing.all_reduce_works = all_reduce(shard, self.averaging.op, group)
         reducing.traffic.append(("all_reduce", all_reduce_bytes(shard.numel(), shard.element_size(), group.size())))
 
@@ -213,12 +247,18 @@ class ReducePlan:
                     total = shard
                     if shard.dtype in LOW_PRECISION:  # summed in float32, rounded once
                         total = pool.take((shard.numel(),), torch.float32, self.device)  # [row_numel]
-                        total.copy_(reducing.rows[self.route.rank] if reducing.rows is not None else shard)
-                    for row in (*before, *after):
-                        self.format.add(total, row)
+                        total.copy_(shard)  # the own row, as scaled
+                    peers = (*before, *after)
+                    for row in peers:
+                        self.format.add(total, row, reducing.scale)
+                    if self.scale_on_overflow != 1 and not finite_sum(total):  # Note [no overflow]: once more, scaled
+                        reducing.scale = self.scale_on_overflow
+                        torch.mul(reducing.own, reducing.scale, out=total)
+                        for row in peers:
+                            self.format.add(total, row, reducing.scale)
                     if total is not shard:
-                        shard.copy_(total.div_(reducing.divide_after))
-                        reducing.divide_after = 1
+                        shard.copy_(total.div_(reducing.divide_after * reducing.scale))
+                        reducing.divide_after = reducing.scale = 1
                         pool.give(total)
         if reducing.replicated and reducing.all_reduce_works is None:  # gloo: now the row is summed
             self.start_all_reduce(reducing)
@@ -227,8 +267,8 @@ class ReducePlan:
             if reducing.all_reduce_works:
                 rt.wait_works(reducing.all_reduce_works, timeout=flight.timeout, what=flight.what,
                               on_device=self.on_device)
-            if reducing.divide_after != 1:
-                shard.div_(reducing.divide_after)
+            if reducing.divide_after * reducing.scale != 1:
+                shard.div_(reducing.divide_after * reducing.scale)
         rt.wait_stream(rt.current_stream(self.device), last)
         self.route.give(flight, pool)
         if reducing.rows is not None:
@@ -356,7 +396,7 @@ class Reductions:
         if self.unit.switches.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
             self.unit.switches.all_reduce_hook(row[:flags_at])
         if self.unit.switches.nonfinite is not None:  # on the device: the root reads every unit's at once
-            finite = torch.isfinite(row).all()
+            finite = torch.isfinite(row.sum(dtype=torch.float64))  # one pass; a float64 sum cannot overflow
             self.finite = finite if self.finite is None else self.finite & finite
         for kind, nbytes in reducing.traffic:
             counts[kind + "s"] += 1
@@ -429,6 +469,17 @@ def owed_all_reduce(params: list[ShardedParam], group: ShardGroup, device: torch
     for grad, device_grad in back:
         rt.copy_(grad, device_grad)
     return nbytes, bool(back)
+
+
+def below(n: int) -> float:
+    """2^-k for the smallest k with 2^k >= n (Note [no overflow])."""
+    return 2.0 ** -math.ceil(math.log2(n)) if n > 1 else 1.0
+
+
+def finite_sum(row: torch.Tensor) -> bool:
+    """Whether a row in host memory holds no inf or NaN: its float64 sum, which cannot overflow,
+    read (one pass, where torch.isfinite(row).all() makes two and a bool copy)."""
+    return bool(torch.isfinite(row.sum(dtype=torch.float64)))
 
 
 def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:

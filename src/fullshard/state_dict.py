@@ -267,6 +267,13 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, opt
     """Load a name-keyed optimizer state dict, full (resharded here) or sharded, through
     the optimizer's own load_state_dict; values are copied, never kept, except the optimizer's
     own state tensors (load() fills them in place), which stay as they are."""
+    optimizer.load_state_dict(torch_optimizer_state(model, optimizer, optim_sd))
+
+
+def torch_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          optim_sd: Mapping[str, Any]) -> dict[str, Any]:
+    """A name-keyed optimizer state dict as the optimizer's own load_state_dict takes it (by
+    position, laid out as its parameters), every refusal raised first: nothing changes."""
     names = param_names(model)
     by_name = {names[p]: p for group in optimizer.param_groups for p in group["params"]}
     sharded = sharded_params(units_of(model, "set_state_dict"))
@@ -291,6 +298,14 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, opt
         raise fail(f"the optimizer state dict's hyperparameters do not fit this {type(optimizer).__name__} "
                    f"({'; '.join(problems)})", "Load the state of an optimizer of this kind, as its state_dict() "
                    "holds it.")
+    group_of = {p: mine for mine in optimizer.param_groups for p in mine["params"]}
+    state_problem = getattr(optimizer, "state_problem", None)  # the optimizer's own rules (fullshard.optim)
+    if state_problem is not None and (problems := [
+            f"{name}.{key}: {problem}" for name, values in optim_sd.get("state", {}).items() for key, value in
+            values.items() if (problem := state_problem(group_of[by_name[name]], by_name[name].shape, key, value))]):
+        raise fail(f"the optimizer state dict's state does not fit this {type(optimizer).__name__} "
+                   f"({'; '.join(problems[:8])})", "Load the state of an optimizer of this kind, as its state_dict() "
+                   "holds it.")
     index = {name: i for i, name in enumerate(names[p] for g in optimizer.param_groups for p in g["params"])}
     state = {}
     for name, values in optim_sd.get("state", {}).items():
@@ -304,7 +319,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, opt
         for key, value in saved.items():
             if isinstance(mine.get(key), tuple) and isinstance(value, list):
                 saved[key] = tuple(value)
-    optimizer.load_state_dict({"state": state, "param_groups": torch_groups})
+    return {"state": state, "param_groups": torch_groups}
 
 
 def shard_like(param: nn.Parameter, sharded: ShardedParam | None, value: Any) -> Any:
@@ -347,9 +362,10 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     check_kind(model, model_sd, full)
     require(optim_sd is None or isinstance(optim_sd, Mapping) and optimizer is not None,
             "optim_sd was given without an optimizer, or is not a mapping", "Pass both optimizer= and optim_sd=.")
+    loaded = torch_optimizer_state(model, optimizer, optim_sd) if optimizer is not None and optim_sd else None
     load_model_state(model, model_sd)
-    if optimizer is not None and optim_sd:
-        load_optimizer_state(model, optimizer, optim_sd)
+    if loaded is not None:
+        optimizer.load_state_dict(loaded)
 
 
 def check_kind(model: nn.Module, model_sd: Mapping[str, Any], full: bool) -> None:
@@ -505,13 +521,23 @@ def hyperparameter_problems(groups: list[Mapping], optimizer: torch.optim.Optimi
     """What is wrong with saved parameter groups' hyperparameters for `optimizer` (Note [loaded
     hyperparameters]): each as "group i: key problem"."""
     problems = []
+    own_rules = getattr(optimizer, "group_problems", None)  # fullshard.optim's: each group by its kind's rules
     for i, (saved, own) in enumerate(zip(groups, optimizer.param_groups)):
         found = [f"group {i}: {key} {problem}" for key, value in saved.items() if key != "params"
                  if (problem := value_problem(value, own.get(key, MISSING)))]
-        if not found and (refused := refused_by_constructor(optimizer, own, saved)):
+        if not found and own_rules is not None:
+            found += [f"group {i}: {problem}" for problem in own_rules(as_own_kinds(saved, own), own)]
+        elif not found and (refused := refused_by_constructor(optimizer, own, saved)):
             found.append(f"group {i}: {refused}")
         problems += found
     return problems
+
+
+def as_own_kinds(saved: Mapping, own: Mapping) -> dict:
+    """A saved group's values with lists as tuples where the optimizer's are (JSON and DCP make
+    tuples lists)."""
+    return {key: tuple(value) if isinstance(own.get(key), tuple) and isinstance(value, list) else value
+            for key, value in saved.items()}
 
 
 def refused_by_constructor(optimizer: torch.optim.Optimizer, own: Mapping, saved: Mapping) -> str | None:
@@ -557,10 +583,14 @@ def optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer's state: a tensor of a dtype Note [loaded dtypes] refuses, a plain value of another
     kind than the optimizer's own (Note [loaded hyperparameters])."""
     problems = []
+    own_rule = getattr(optimizer, "state_problem", None)  # fullshard.optim's: each state by its kind's rules
+    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
     for name, value_key, param, item in saved_state(model, optimizer, saved):
         own = optimizer.state.get(param, {}).get(value_key)
         if item is not None:
             problem = state_dtype_problem(param, own, value_key, item[0])
+            if problem is None and own_rule is not None:
+                problem = own_rule(group_of[param], param.shape, value_key, (item[0], tuple(item[1])))
         elif isinstance(own, torch.Tensor):
             problem = "is a plain value, not a tensor"
         else:

@@ -95,6 +95,8 @@ def described(uid: int, whole_model: bool = False) -> str:
     unit = UNITS.get(uid)
     if unit is None:
         return f"the {'model' if whole_model else 'unit'} of id {uid}, which this rank does not have"
+    if whole_model and unit.model != f"model {uid} ({unit.class_name})":  # a unit of a model here, run alone there
+        return f"{unit.described} alone"
     return unit.model if whole_model else unit.described
 
 

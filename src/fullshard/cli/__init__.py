@@ -24,7 +24,7 @@ from pathlib import Path
 from fullshard.errors import EveryRankError, FullShardError
 from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch
 from fullshard.cli.config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
-                                    parse_bytes, plan_problem, problem)
+                                    parse_bytes, plan_problem, problem, unused_problem)
 from fullshard.cli.trainer import train, version
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -71,6 +71,8 @@ def start_local_run(cfg: TrainConfig, argv: list[str]) -> int:
     cores = os.cpu_count() or 1
     if not torch.cuda.is_available() and nproc > cores and not cfg.oversubscribe:
         return fatal(f"--nproc {nproc} is more than the {cores} CPU cores here; pass --oversubscribe to run anyway")
+    if (message := unused_problem(cfg, nproc, nproc)) is not None:  # a local run's shard groups span its ranks
+        return fatal(message)
     if cfg.global_batch % (nproc * cfg.grad_accum):
         return fatal(f"--global-batch {cfg.global_batch} must divide into {nproc} ranks x {cfg.grad_accum} "
                      f"micro-batches")

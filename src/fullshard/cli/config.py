@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from fullshard.cli.corpus import corpus_sizes
+from fullshard.errors import in_bytes
 
 # the longest --timeout: far below where timedelta and the backends' millisecond
 # clocks overflow (about 1e13 s), far above any real wait
@@ -116,7 +117,8 @@ def flag(name: str) -> str:
 
 def problem(cfg: TrainConfig) -> str | None:
     """What is wrong with the configuration, in one line; None when nothing is."""
-    return choice_problem(cfg) or number_problem(cfg) or dims_problem(gpt_dims(cfg)) or data_problem(cfg)
+    return choice_problem(cfg) or number_problem(cfg) or dims_problem(gpt_dims(cfg)) or data_problem(cfg) or \
+        unused_problem(cfg, world=2, shard_world=2)  # the strategy alone; the ranks when they are known
 
 
 def choice_problem(cfg: TrainConfig) -> str | None:
@@ -142,7 +144,27 @@ def choice_problem(cfg: TrainConfig) -> str | None:
         return "--plan auto needs --memory-budget, the bytes each rank may use, e.g. 2GiB or 500MB"
     if cfg.plan != "auto" and cfg.memory_budget is not None:
         return "--memory-budget is the budget --plan auto plans for; add --plan auto (or leave the budget out)"
+    if cfg.optimizer != "muon" and cfg.muon_lr != TrainConfig.muon_lr:
+        return f"--muon-lr is Muon's learning rate, and --optimizer is {cfg.optimizer}; add --optimizer muon (or " \
+               f"leave --muon-lr out)"
     return None
+
+
+def unused_problem(cfg: TrainConfig, world: int, shard_world: int) -> str | None:
+    """--gather or --reduce where nothing is gathered or reduce-scattered: one rank, no_shard (whose
+    gradients go by the all-reduce across replicas, in the reduce dtype), or shard groups of one
+    rank (`shard_world`); they would be announced and do nothing."""
+    used = [name for name in ("gather", "reduce") if getattr(cfg, name) != "exact"]
+    if not used or cfg.plan == "auto":
+        return None
+    why = "one rank has nothing to exchange" if world == 1 else \
+        "no_shard gathers nothing and reduces gradients by an all-reduce across replicas" \
+        if cfg.strategy == "no_shard" else "each shard group has one rank" if shard_world == 1 else None
+    if why is None:
+        return None
+    flags = " and ".join(f"{flag(name)} {getattr(cfg, name)}" for name in used)
+    return f"{flags} would change nothing here: {why}. Leave {'them' if len(used) > 1 else 'it'} out, or shard " \
+           f"over more ranks (--nproc, --strategy full_shard)"
 
 
 def number_problem(cfg: TrainConfig) -> str | None:
@@ -156,16 +178,16 @@ def number_problem(cfg: TrainConfig) -> str | None:
     for name, low, high in (("seq_len", 1, MAX_SEQ), ("sample_bytes", 0, MAX_SAMPLE), ("seed", 0, MAX_SEED)):
         if (problem := range_problem(name, getattr(cfg, name), low, high)) is not None:
             return problem
-    for name in ("lr", "min_lr", "weight_decay", "clip", "timeout"):
+    for name in ("lr", "min_lr", "weight_decay", "clip", "timeout", "muon_lr"):
         if not math.isfinite(getattr(cfg, name)):
             return f"{flag(name)} must be a finite number, got {getattr(cfg, name)}"
     if not 0 < cfg.timeout <= MAX_TIMEOUT_S:
         return f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {cfg.timeout}"
-    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.clip < 0 or cfg.weight_decay < 0:
-        return "--lr must be positive; --min-lr, --clip and --weight-decay must not be negative"
-    for name in ("lr", "min_lr", "weight_decay"):
+    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.clip < 0 or cfg.weight_decay < 0 or cfg.muon_lr <= 0:
+        return "--lr and --muon-lr must be positive; --min-lr, --clip and --weight-decay must not be negative"
+    for name in ("lr", "min_lr", "weight_decay", "muon_lr"):
         if getattr(cfg, name) > MAX_LR:
-            return f"{flag(name)} must be at most {MAX_LR:g} (AdamW moves each weight by about lr per step), got " \
+            return f"{flag(name)} must be at most {MAX_LR:g} (each step moves a weight by about lr), got " \
                    f"{getattr(cfg, name):g}"
     return None
 
@@ -221,10 +243,10 @@ def memory_problem(cfg: TrainConfig, world: int, available: int, where: str) -> 
     per_rank = RUNTIME_BYTES + 16 * params // world + 4 * tokens * (8 * dims["n_embd"] * dims["n_layer"] + 2 * 256)
     if per_rank * world <= available:
         return None
-    return (f"this run needs at least {per_rank / 2**30:.2f} GiB per rank, {per_rank * world / 2**30:.1f} GiB for "
+    return (f"this run needs at least {in_bytes(per_rank)} per rank, {in_bytes(per_rank * world)} for "
             f"{world} ranks ({params / 1e6:,.1f}M parameters at 16 bytes each over the ranks for weights, gradients "
             f"and AdamW state, activations of {tokens} tokens per micro-batch, {RUNTIME_BYTES >> 20} MB of runtime "
-            f"per rank), more than the {available / 2**30:.1f} GiB {where}. Train a smaller model (--preset, "
+            f"per rank), more than the {in_bytes(available)} {where}. Train a smaller model (--preset, "
             f"--n-layer, --n-embd), on fewer tokens per micro-batch (--global-batch, --seq-len, --grad-accum), or "
             f"with fewer ranks here")
 
@@ -261,7 +283,7 @@ def plan_problem(args: argparse.Namespace, budget: int | None) -> str | None:
     if 2 * params > 1000 * budget * args.world_size:  # beyond any plan (which says how far over a near miss is)
         return (f"a GPT of {params / 1e6:,.1f}M parameters cannot fit in {args.world_size} ranks of --memory-budget "
                 f"{args.memory_budget}: its parameters alone, in bf16 and sharded over every rank, take "
-                f"{2 * params / args.world_size / 2**30:.2f} GiB per rank. Pass a larger budget or --world-size, or "
+                f"{in_bytes(2 * params / args.world_size)} per rank. Pass a larger budget or --world-size, or "
                 f"a smaller model")
     return None
 

@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 import fullshard
 from fullshard import runtime
-from fullshard.cli.config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes
+from fullshard.cli.config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes, unused_problem
 from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.cli.run_log import open_log, plot, read_rows, summary
 from fullshard.collectives import all_reduce_
-from fullshard.errors import CollectiveError, FullShardError, collective_failed, fail
+from fullshard.errors import CollectiveError, EveryRankError, FullShardError, collective_failed, fail
 from fullshard.stats import return_freed_memory
 from fullshard.gpt import GPT, Block, GPTConfig
 
@@ -71,9 +71,13 @@ def train(cfg: TrainConfig) -> int:
         except FullShardError as e:
             return fatal(str(e))
     rank, world, device = join_job(cfg)
-    if cfg.global_batch % (world * cfg.grad_accum):
+    shard_world = world if cfg.strategy != "hybrid_shard" else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    message = unused_problem(cfg, world, shard_world) or (
+        f"--global-batch {cfg.global_batch} must divide into {world} ranks x {cfg.grad_accum} micro-batches"
+        if cfg.global_batch % (world * cfg.grad_accum) else None)
+    if message is not None:  # what depends on the job's ranks: said once, as an argument's problem
         if rank == 0:
-            fatal(f"--global-batch {cfg.global_batch} must divide into {world} ranks x {cfg.grad_accum} micro-batches")
+            fatal(message)
         dist.destroy_process_group()
         return 2
     run, description = build(cfg, rank, world, device)
@@ -166,19 +170,28 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
                                 weight_decay=cfg.weight_decay)
 
 
+def planned(model: torch.nn.Module, cfg: TrainConfig, world: int, budget: int, held: int, hardware: str):
+    """fullshard.plan's choice for --memory-budget less the text each rank holds (`budget`)."""
+    if budget <= 0:
+        raise fail(f"--memory-budget {cfg.memory_budget} is less than the {held / 2**20:.0f} MiB of text each rank "
+                   f"holds, before any model", "Give each rank more memory, or train on less text (--data).")
+    return fullshard.plan(model, world_size=world, memory_budget=budget, batch=cfg.global_batch // world // cfg.grad_accum,
+                          seq=cfg.seq_len, hardware=hardware, optimizer=cfg.optimizer)
+
+
 def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, device: torch.device, held: int) -> str:
     """Shard `model` as the options say, or as fullshard.plan chooses (--plan auto: for the
     budget less the `held` bytes of text each rank keeps in host memory on a CPU, which the
     planner's peak, the rest of the process's, does not count); how, in words."""
     if cfg.plan == "auto":
         held = held if device.type == "cpu" else 0
-        budget = parse_bytes(cfg.memory_budget) - held
-        if budget <= 0:
-            raise fail(f"--memory-budget {cfg.memory_budget} is less than the {held / 2**20:.0f} MiB of text each rank "
-                       f"holds, before any model", "Give each rank more memory, or train on less text (--data).")
-        plan = fullshard.plan(model, world_size=world, memory_budget=budget,
-                              batch=cfg.global_batch // world // cfg.grad_accum, seq=cfg.seq_len,
-                              hardware="a100" if device.type == "cuda" else "cpu", optimizer=cfg.optimizer)
+        try:
+            plan = planned(model, cfg, world, parse_bytes(cfg.memory_budget) - held, held,
+                           "a100" if device.type == "cuda" else "cpu")
+        except EveryRankError:
+            raise
+        except FullShardError as e:  # the same inputs on every rank: the same refusal, said once
+            raise EveryRankError(str(e)) from None
         fullshard.apply_plan(model, plan)
         if rank == 0:
             print(plan.explain() + (f"; with the {held / 2**20:.0f} MiB of text each rank holds: "
