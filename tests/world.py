@@ -36,7 +36,7 @@ COLLECTIVE_TIMEOUT_S = 60
 JOB_TIMEOUT_S = 300
 # imported once by the server that forks the ranks of forked worlds (Note [forked ranks]);
 # torch._dynamo is imported lazily by the first DTensor a job builds, and costs a second
-FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fullshard",
+FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fullshard", "fullshard.ft",
                 "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
 
