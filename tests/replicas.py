@@ -26,15 +26,21 @@ from tests.world import FORK_PRELOAD, free_port
 
 TIMEOUT_S = 10  # torchft's timeout for collectives and RPCs: a dead peer is noticed by its socket closing, at once
 BATCH = 4  # per replica group
-QUIET = {"RUST_LOG": "warn"}  # torchft's servers log every quorum and commit at INFO
+QUIET = {"RUST_LOG": os.environ.get("FULLSHARD_TEST_RUST_LOG", "warn")}  # torchft's servers log every quorum and commit at INFO
 
 
-def batch_of(step: int, replica_rank: int, group_rank: int, group_size: int):
-    """The batch slice of one rank: the committed step's, for the replica group's place in the quorum."""
+def batch_of(step: int, replica_rank: int, group_rank: int, group_size: int, seq: int | None = None):
+    """The batch slice of one rank: the committed step's, for the replica group's place in the quorum
+    (`seq`: tokens per sequence, for a model of another block size than the tiny GPT's)."""
     import torch
 
-    from tests.models import token_batch
-    x, y = token_batch(torch.Generator().manual_seed(1000 * step + replica_rank), BATCH)
+    from tests.models import VOCAB, token_batch
+    generator = torch.Generator().manual_seed(1000 * step + replica_rank)
+    if seq is None:
+        x, y = token_batch(generator, BATCH)
+    else:
+        x = torch.randint(0, VOCAB, (BATCH, seq), generator=generator)
+        y = torch.roll(x, -1, dims=1)
     rows = BATCH // group_size
     return x[group_rank * rows:(group_rank + 1) * rows], y[group_rank * rows:(group_rank + 1) * rows]
 
@@ -61,6 +67,17 @@ def make_optimizer(name: str, model):
         matrices, rest = fullshard.optim.muon_groups(model)
         return fullshard.optim.Muon([{"params": matrices}, {"params": rest, "use_muon": False, "lr": 1e-2}], lr=0.02)
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def build_model(cfg: dict[str, Any]):
+    """The tiny GPT; one of another width ("other_model"), or of a fullshard.gpt preset ("preset", "seq")."""
+    from fullshard.gpt import GPT, PRESETS, GPTConfig
+    from tests.models import SEQ, VOCAB, tiny_gpt
+    if cfg.get("preset"):
+        return GPT(GPTConfig(block_size=cfg["seq"], vocab_size=VOCAB, **PRESETS[cfg["preset"]]))
+    if cfg.get("other_model"):
+        return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32))
+    return tiny_gpt()
 
 
 def shard(model, kind: str):
@@ -100,7 +117,8 @@ def listening(pid: int) -> list[str]:
     return found
 
 
-def kill_here() -> None:
+def kill_here(cfg: dict[str, Any]) -> None:
+    cfg["killed_at"].value = time.time()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -113,8 +131,6 @@ def rank_main(cfg: dict[str, Any], reports: mp.Queue) -> None:
 
     import fullshard
     from fullshard import ft
-    from fullshard.gpt import GPT, GPTConfig
-    from tests.models import SEQ, VOCAB, tiny_gpt
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=TIMEOUT_S)
@@ -123,8 +139,7 @@ def rank_main(cfg: dict[str, Any], reports: mp.Queue) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=size,
                             timeout=timeout)
     torch.manual_seed(0)
-    model = shard(tiny_gpt() if not cfg.get("other_model") else GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2,
-                                                                               n_head=2, n_embd=32)), cfg["kind"])
+    model = shard(build_model(cfg), cfg["kind"])
     optimizer = make_optimizer(cfg.get("optimizer", "adamw"), model)
     transport = None
     if cfg["kind"] == "fsdp2":  # torch's FSDP2 with torchft, as torchft's own examples run it
@@ -135,7 +150,8 @@ def rank_main(cfg: dict[str, Any], reports: mp.Queue) -> None:
                          replica_id=f"replica_{cfg['replica']}", lighthouse_addr=cfg["lighthouse"], rank=rank,
                          world_size=size, store_addr=bind, store_port=store.port, timeout=timeout,
                          quorum_timeout=timedelta(seconds=cfg.get("quorum_timeout_s", TIMEOUT_S)),
-                         connect_timeout=timeout, init_sync=False,
+                         connect_timeout=timeout, init_sync=False, min_replica_size=cfg.get("min_replica_size", 1),
+                         max_retries=cfg.get("max_retries", 10),
                          heartbeat_interval=timedelta(milliseconds=100))
     if cfg["kind"] == "fsdp2":
         from torch.distributed.fsdp import FSDPModule
@@ -147,19 +163,25 @@ def rank_main(cfg: dict[str, Any], reports: mp.Queue) -> None:
         model.set_nonfinite_grads("raise")  # a step that cannot commit must not trip it (Note [uncommitted steps])
         ft.attach(manager, model, optimizer)
     wrapped = OptimizerWrapper(manager, optimizer)
-    kill = cfg.get("kill")  # {"where": "forward" | "backward" | "allreduce" | "optimizer"}, at its 3rd step
+    saved = cfg.get("checkpoint") and f"{cfg['checkpoint']}/replica_{cfg['replica']}"
+    if saved and os.path.exists(saved):  # a restart resumes from its group's last checkpoint, then heals if behind
+        info = fullshard.load(saved, model, optimizer)
+        manager.load_state_dict({"step": info["step"], "batches_committed": info["extra"]["batches_committed"]})
+        reports.put(("resumed", cfg["replica"], rank, {"step": info["step"], "digest": digest(model, optimizer)}))
+    kill = cfg.get("kill")  # {"where": "forward" | "backward" | "allreduce" | "optimizer"[, "at": step]}
     first: list[int] = []  # the step this rank ran first (a joiner's is the step it healed to)
 
     def armed(where: str) -> bool:
-        return kill is not None and kill["where"] == where and manager.current_step() == first[0] + 2
+        return kill is not None and kill["where"] == where and manager.current_step() == kill.get("at", first[0] + 2)
 
-    model.h[1].register_forward_pre_hook(lambda *_: kill_here() if armed("forward") else None)
-    model.h[0].register_full_backward_pre_hook(lambda *_: kill_here() if armed("backward") else None)
+    model.h[1].register_forward_pre_hook(lambda *_: kill_here(cfg) if armed("forward") else None)
+    model.h[0].register_full_backward_pre_hook(lambda *_: kill_here(cfg) if armed("backward") else None)
     step_optimizer = optimizer.step
-    optimizer.step = lambda *a, **k: kill_here() if armed("optimizer") else step_optimizer(*a, **k)
+    optimizer.step = lambda *a, **k: kill_here(cfg) if armed("optimizer") else step_optimizer(*a, **k)
     reduce = manager.allreduce
-    manager.allreduce = lambda row, *a, **k: kill_here() if armed("allreduce") else reduce(row, *a, **k)
+    manager.allreduce = lambda row, *a, **k: kill_here(cfg) if armed("allreduce") else reduce(row, *a, **k)
     rows = []
+    saving = None
     try:
         for _ in range(cfg["iterations"]):
             if manager.current_step() >= min(cfg["steps"], cfg["stop"].value):
@@ -168,21 +190,28 @@ def rank_main(cfg: dict[str, Any], reports: mp.Queue) -> None:
             manager.wait_quorum()
             start = manager.current_step()
             first = first or [start]
-            x, y = batch_of(start, manager.participating_rank() or 0, rank, size)
+            x, y = batch_of(start, manager.participating_rank() or 0, rank, size, cfg.get("seq"))
             loss = model(x, y)
             loss.backward()
             norm = fullshard.clip_grad_norm_(model, 1.0) if cfg["clip"] else None
             wrapped.step()
-            rows.append({"step": start, "committed": manager.current_step() > start,
+            rows.append({"step": start, "committed": manager.current_step() > start, "t": time.time(),
                          "participants": manager.num_participants(), "replica_rank": manager.participating_rank(),
                          "loss": loss.item(), "norm": None if norm is None else norm.item(),
                          "digest": digest(model, optimizer)})
             reports.put(("row", cfg["replica"], rank, rows[-1]))
+            if saved and rows[-1]["committed"]:  # every committed step, in the background
+                saving = fullshard.save(saved, model, optimizer, step=manager.current_step(),
+                                        extra={"batches_committed": manager.batches_committed()}, block=False)
     except fullshard.FullShardError as e:  # the test reads what a refusing or failing rank said
         reports.put(("error", cfg["replica"], rank, str(e)))
         raise
+    if saving is not None:
+        saving.result()  # the last committed step is on disk before the rank says it is done
     reports.put(("done", cfg["replica"], rank, None))
-    cfg["release"].wait(60)  # listening until the test has looked (Replicas.listeners)
+    deadline = time.monotonic() + 60
+    while not cfg["release"].value and time.monotonic() < deadline:  # listening until the test has looked
+        time.sleep(0.05)
     manager.shutdown(wait=False)
     dist.destroy_process_group()
 
@@ -201,7 +230,10 @@ class Replicas:
 
     def __init__(self, kind: str = "fullshard", replicas: int = 2, group_size: int = 1, steps: int = 8,
                  bind: str = "127.0.0.1", min_replicas: int = 1, **options: Any) -> None:
-        """`options`: "optimizer" ("adamw" or "muon"), "clip" (clip_grad_norm_ to 1 each step)."""
+        """`options`: "optimizer" ("adamw" or "muon"), "clip" (clip_grad_norm_ to 1 each step),
+        "checkpoint" (a directory: each group saves there after every committed step, in the
+        background, and a started group resumes from its last save), "quorum_timeout_s",
+        "min_replica_size" and "max_retries" (the Manager's), "preset" and "seq" (build_model)."""
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(FORK_PRELOAD)
         self.ctx, self.kind, self.group_size, self.steps, self.bind = ctx, kind, group_size, steps, bind
@@ -210,12 +242,18 @@ class Replicas:
         self.lighthouse = ctx.Process(target=lighthouse_main, args=(bind, min_replicas, address), daemon=True)
         self.lighthouse.start()
         self.address = address.get(timeout=60)
-        self.reports = ctx.Queue()
-        self.stop = ctx.Value("q", 2**62)  # the committed step every rank ends at (stop_soon sets it)
-        self.release = ctx.Event()  # set: finished ranks exit
+        # Note [killed ranks]: a rank is SIGKILLed at any point, so nothing it shares may hold a lock
+        # another process waits for: each rank reports on a queue of its own, and the flags are
+        # lock-free shared ints (a multiprocessing Event's condition deadlocks its setter once a
+        # waiter is killed)
+        self.queues: list[mp.Queue] = []
+        self.stop = ctx.Value("q", 2**62, lock=False)  # the committed step every rank ends at (stop_soon sets it)
+        self.release = ctx.Value("b", 0, lock=False)  # 1: finished ranks exit
+        self.killed_at = ctx.Value("d", 0.0, lock=False)  # time.time() of the last kill
         self.rows: dict[tuple[int, int], list] = {}
         self.finished: set[tuple[int, int]] = set()
         self.errors: dict[tuple[int, int], str] = {}
+        self.resumed: dict[tuple[int, int], dict] = {}
         self.procs: dict[tuple[int, int], Any] = {}
         for replica in range(replicas):
             self.start(replica)
@@ -223,6 +261,9 @@ class Replicas:
     def start(self, replica: int, kill: dict | None = None, kill_rank: int = 0) -> None:
         """Start (or restart) a replica group; its rows so far are kept under (replica, rank, "before")."""
         for rank in range(self.group_size):
+            if (replica, rank) in self.procs:  # a restart: the group's previous ranks are gone first
+                self.procs[replica, rank].kill()
+                self.procs[replica, rank].join(timeout=10)
             if (replica, rank) in self.rows:
                 self.rows[replica, rank, len(self.rows)] = self.rows.pop((replica, rank))
             self.finished.discard((replica, rank))
@@ -231,9 +272,11 @@ class Replicas:
             cfg = {"kind": self.kind, "replica": replica, "group_rank": rank, "group_size": self.group_size,
                    "bind": self.bind, "store_port": port, "lighthouse": self.address,
                    "steps": self.steps, "iterations": 4 * self.steps, "stop": self.stop, "release": self.release,
+                   "killed_at": self.killed_at,
                    **self.options,
                    "kill": kill if rank == kill_rank else None}
-            proc = self.ctx.Process(target=rank_main, args=(cfg, self.reports), daemon=True)
+            self.queues.append(self.ctx.Queue())
+            proc = self.ctx.Process(target=rank_main, args=(cfg, self.queues[-1]), daemon=True)
             proc.start()
             self.procs[replica, rank] = proc
 
@@ -251,17 +294,29 @@ class Replicas:
 
     def poll(self, wait_s: float) -> bool:
         """Take one report into `rows` (or `finished`); False if none came within `wait_s`."""
-        try:
-            kind, replica, rank, payload = self.reports.get(timeout=wait_s)
-        except queue.Empty:
-            return False
+        deadline = time.monotonic() + wait_s
+        while (report := self.next_report()) is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        kind, replica, rank, payload = report
         if kind == "row":
             self.rows.setdefault((replica, rank), []).append(payload)
+        elif kind == "resumed":
+            self.resumed[replica, rank] = payload
         elif kind == "error":
             self.errors[replica, rank] = payload
         else:
             self.finished.add((replica, rank))
         return True
+
+    def next_report(self) -> tuple | None:
+        for reports in self.queues:
+            try:
+                return reports.get_nowait()
+            except queue.Empty:
+                pass
+        return None
 
     def wait_until(self, done, what: str, deadline_s: float = 60) -> None:
         """Take reports until `done()`; fail naming `what` after `deadline_s`."""
@@ -283,7 +338,7 @@ class Replicas:
         return {name: listening(proc.pid) for name, proc in procs.items()}
 
     def close(self) -> None:
-        self.release.set()
+        self.release.value = 1
         for proc in self.procs.values():
             proc.kill()
             proc.join(timeout=10)

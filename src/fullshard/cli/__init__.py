@@ -22,9 +22,10 @@ import sys
 from pathlib import Path
 
 from fullshard.errors import EveryRankError, FullShardError
-from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch
+from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch, launch_replicas
 from fullshard.cli.config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
                                     parse_bytes, plan_problem, problem, unused_problem)
+from fullshard.cli.run_log import open_log
 from fullshard.cli.trainer import train, version
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -45,13 +46,22 @@ def main(argv: list[str] | None = None) -> int:
         bench(argv[1:])
         return 0
     args = parser().parse_args(argv)
+    if getattr(args, "fault_tolerant", False):  # torchft's servers log every quorum and commit at INFO
+        os.environ.setdefault("RUST_LOG", "warn")
     if args.command == "plan":
         return plan_command(args)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     if (message := problem(cfg)) is not None:
         return fatal(message)
+    if cfg.fault_tolerant and LAUNCHER_PID not in os.environ and all(var in os.environ for var in TORCHRUN_VARS):
+        return fatal("--fault-tolerant starts its replica groups and their lighthouse itself: run it without "
+                     "torchrun (or, under torchrun, use fullshard.ft's recipe: docs/fault-tolerance.md)")
     if LAUNCHER_PID in os.environ or all(var in os.environ for var in TORCHRUN_VARS):  # one rank of a job
         try:
+            if cfg.fault_tolerant:
+                from fullshard.cli.replica import train_replica
+
+                return train_replica(cfg)
             return train(cfg)
         except FullShardError as e:  # what went wrong and how to fix it, in one line (one rank's, when all agree)
             if os.environ.get("RANK") == "0" or not isinstance(e, EveryRankError):
@@ -71,8 +81,10 @@ def start_local_run(cfg: TrainConfig, argv: list[str]) -> int:
     cores = os.cpu_count() or 1
     if not torch.cuda.is_available() and nproc > cores and not cfg.oversubscribe:
         return fatal(f"--nproc {nproc} is more than the {cores} CPU cores here; pass --oversubscribe to run anyway")
-    if (message := unused_problem(cfg, nproc, nproc)) is not None:  # a local run's shard groups span its ranks
+    if (message := unused_problem(cfg, nproc, nproc // cfg.replicas)) is not None:  # shard groups: a replica group
         return fatal(message)
+    if nproc % cfg.replicas:
+        return fatal(f"--nproc {nproc} must divide into --replicas {cfg.replicas} groups of equal size")
     if cfg.global_batch % (nproc * cfg.grad_accum):
         return fatal(f"--global-batch {cfg.global_batch} must divide into {nproc} ranks x {cfg.grad_accum} "
                      f"micro-batches")
@@ -83,6 +95,13 @@ def start_local_run(cfg: TrainConfig, argv: list[str]) -> int:
     except FullShardError as e:
         return fatal(str(e))
     with lock:  # Note [one run per directory]
+        if cfg.fault_tolerant:
+            resumable = cfg.resume and any((Path(cfg.out) / "checkpoint" / f"replica_{g}" / "LATEST").is_file()
+                                           for g in range(cfg.replicas))
+            if not resumable:  # a new run's log starts empty (Note [replica rows])
+                open_log(Path(cfg.out), 0).close()
+            return launch_replicas([sys.executable, "-m", "fullshard.cli", *argv], nproc, cfg.replicas, cfg.ft_bind,
+                                   cfg.max_restarts)
         return launch([sys.executable, "-m", "fullshard.cli", *argv], nproc, cfg.max_restarts)
 
 

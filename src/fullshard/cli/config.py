@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from fullshard.cli.corpus import corpus_sizes
-from fullshard.errors import in_bytes
+from fullshard.errors import FullShardError, in_bytes
 
 # the longest --timeout: far below where timedelta and the backends' millisecond
 # clocks overflow (about 1e13 s), far above any real wait
@@ -73,6 +73,11 @@ class TrainConfig:
     limit_all_gathers: int = opt(2, "at most this many units gathered ahead of use (0: no limit)")
     # run
     nproc: int = opt(0, "ranks to start (0: 1 per GPU, else 2); ignored under torchrun")
+    replicas: int = opt(1, "replica groups of nproc/replicas ranks each, with --fault-tolerant (torchft across them)")
+    fault_tolerant: bool = opt(False, "keep training when a replica group dies; restart it and let it heal from a "
+                                      "live one (fullshard.ft on torchft: docs/fault-tolerance.md)")
+    ft_bind: str = opt("127.0.0.1", "the IP address every fault-tolerance listener binds (lighthouse, stores, "
+                                    "Manager servers, gloo)")
     max_restarts: int = opt(0, "restart all ranks this many times when one fails; they resume from the checkpoint")
     timeout: float = opt(300.0, "seconds any collective may wait before failing with an error naming it")
     nonfinite: str = opt("raise", "an inf/NaN gradient: 'raise' (stop, naming the unit and step), 'skip' the step, "
@@ -118,7 +123,29 @@ def flag(name: str) -> str:
 def problem(cfg: TrainConfig) -> str | None:
     """What is wrong with the configuration, in one line; None when nothing is."""
     return choice_problem(cfg) or number_problem(cfg) or dims_problem(gpt_dims(cfg)) or data_problem(cfg) or \
-        unused_problem(cfg, world=2, shard_world=2)  # the strategy alone; the ranks when they are known
+        replica_problem(cfg) or unused_problem(cfg, world=2, shard_world=2)  # the ranks when they are known
+
+
+def replica_problem(cfg: TrainConfig) -> str | None:
+    """--replicas, --fault-tolerant and --ft-bind: what they need, and torchft installed."""
+    if cfg.replicas > 1 and not cfg.fault_tolerant:
+        return f"--replicas {cfg.replicas} is for --fault-tolerant (replica groups on torchft); for replicas " \
+               f"without it use --strategy hybrid_shard"
+    if not cfg.fault_tolerant:
+        return None if cfg.ft_bind == TrainConfig.ft_bind else "--ft-bind is the address of --fault-tolerant's " \
+            "listeners; add --fault-tolerant (or leave --ft-bind out)"
+    for name, value in (("strategy", cfg.strategy == "hybrid_shard"), ("precision", cfg.precision == "fp16")):
+        if value:
+            return f"--fault-tolerant does not take {flag(name)} {getattr(cfg, name)}: " + (
+                "the replica groups are the replicas; shard inside each with full_shard" if name == "strategy" else
+                "fp16's loss scaler would skip steps another group commits; use bf16")
+    try:
+        from fullshard.ft.network import check_torchft, host_of
+        check_torchft()
+        host_of(cfg.ft_bind)
+    except FullShardError as e:
+        return f"--fault-tolerant: {e}"
+    return None
 
 
 def choice_problem(cfg: TrainConfig) -> str | None:
@@ -172,6 +199,8 @@ def number_problem(cfg: TrainConfig) -> str | None:
     for name in ("steps", "global_batch", "grad_accum", "eval_batches", "eval_interval"):
         if (problem := range_problem(name, getattr(cfg, name), 1, MAX_COUNT)) is not None:
             return problem
+    if (problem := range_problem("replicas", cfg.replicas, 1, MAX_COUNT)) is not None:
+        return problem
     for name in ("nproc", "ckpt_interval", "limit_all_gathers", "warmup", "max_restarts"):
         if (problem := range_problem(name, getattr(cfg, name), 0, MAX_COUNT)) is not None:
             return problem

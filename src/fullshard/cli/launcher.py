@@ -20,6 +20,18 @@ named by the launcher's pid and start time, and each run removes the entries of 
 that are gone (both processes killed at once). A parent that is not this user's own
 directory is never used or entered: the run then makes its directory beside it.
 
+Note [replica groups]: with --fault-tolerant the launcher hosts torchft's lighthouse on
+--ft-bind and starts --replicas groups of ranks, each a job of its own (its FileStore, its
+process group); fullshard.ft's Manager runs the all-reduce across them. A group whose rank
+dies is ended and started again while another group is alive: it heals from a live group and
+rejoins (docs/fault-tolerance.md). When no other group is alive, that counts against
+--max-restarts, and the restarted groups resume from their own checkpoints. Only a rank killed
+by a signal (SIGKILL, the OOM killer, a crash in native code) is restarted: one that exits
+with 2 or 3 said why (a bad argument, a refused heal), one that exits with 1 raised an
+exception, and a restart would do the same again: the run ends with it. Groups in step finish
+together; one still running LATE_GROUP_S after another finished (restarted too late to rejoin)
+is ended, and the run ends well.
+
 Note [exit status]: 0 when every rank ended well; a rank's own status when it failed
 with one (2: bad arguments, 3: a FullShardError while training; the rank printed the
 one-line error); 128 + N when the launcher was stopped by signal N (130 for SIGINT, 143
@@ -60,8 +72,10 @@ from fullshard.checkpoint.files import Folder
 
 LAUNCHER_PID = "FULLSHARD_LAUNCHER_PID"  # set for the ranks: whom they must die with
 STORE_FILE = "FULLSHARD_STORE_FILE"  # set for the ranks: the FileStore they meet in (Note [local launch])
+REPLICA = "FULLSHARD_REPLICA"  # set for a replica group's ranks: the group's index (Note [replica groups])
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 END_GRACE_S = 10  # a rank told to end (SIGTERM) that is still there after this is killed
+LATE_GROUP_S = 5  # a replica group not done this long after another finished --steps is ended
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -102,6 +116,72 @@ def launch(command: list[str], nproc: int, max_restarts: int) -> int:
             signal.signal(sig, handler)
         shutil.rmtree(rendezvous, ignore_errors=True)
         os.close(remover)  # the remover finds nothing left, and ends
+
+
+def launch_replicas(command: list[str], nproc: int, replicas: int, bind: str, max_restarts: int) -> int:
+    """Note [replica groups]: run `command` as `replicas` groups of nproc/replicas ranks around a
+    lighthouse on `bind`; its exit status (Note [exit status])."""
+    from fullshard.ft import Lighthouse, replica_env
+
+    lighthouse = Lighthouse(bind, min_replicas=1)
+    size = nproc // replicas
+    rendezvous = rendezvous_dir()
+    remover = start_remover(rendezvous)
+    stops: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
+
+    def start(group: int, attempt: int) -> list[subprocess.Popen]:
+        store = os.path.join(rendezvous, f"replica-{group}-attempt-{attempt}")
+        env = {**replica_env(bind), REPLICA: str(group), "TORCHFT_LIGHTHOUSE": lighthouse.address()}
+        return [subprocess.Popen(command, env={**rank_env(rank, size, store, attempt), **env}, start_new_session=True)
+                for rank in range(size)]
+
+    attempts = [0] * replicas
+    groups = [start(group, 0) for group in range(replicas)]
+    whole_restarts, finished_at = 0, None
+    try:
+        while not stops:
+            statuses = [[rank.poll() for rank in ranks] for ranks in groups]
+            if all(status == 0 for group in statuses for status in group):
+                return 0
+            if finished_at is None and any(all(s == 0 for s in group) for group in statuses):
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() > finished_at + LATE_GROUP_S:
+                return 0  # a group restarted too late to rejoin: the run is done without it (finally: ended)
+            for group, ranks in enumerate(groups):
+                ended = [(k, s) for k, s in enumerate(statuses[group]) if s not in (None, 0)]
+                if not ended:
+                    continue
+                killed = [(k, s) for k, s in ended if s < 0]  # a killed rank fails its peers (3)
+                if not killed:  # it said why (2, 3) or crashed (1): a restart would do it again
+                    if ended[0][1] not in (2, 3):
+                        print(f"fullshard: error: replica group {group}: {failure(*ended[0])}; its output is above",
+                              file=sys.stderr, flush=True)
+                    return ended[0][1] if ended[0][1] in (2, 3) else 1
+                failed = killed[0]
+                end(ranks)
+                alive = any(s is None for other, each in enumerate(statuses) if other != group for s in each)
+                if not alive:
+                    if whole_restarts >= max_restarts:
+                        print(f"fullshard: error: replica group {group}: {failure(*failed)}, and no other group is "
+                              f"alive to go on; its output is above", file=sys.stderr, flush=True)
+                        return 1
+                    whole_restarts += 1
+                attempts[group] += 1
+                print(f"fullshard: replica group {group}: {failure(*failed)}; restarting it (it heals from a live "
+                      f"group, or resumes from its checkpoint)", file=sys.stderr, flush=True)
+                groups[group] = start(group, attempts[group])
+            time.sleep(0.05)
+        print(f"fullshard: stopped by {signal.Signals(stops[0]).name}; the same command resumes from the newest "
+              f"checkpoint", file=sys.stderr, flush=True)
+        return 128 + stops[0]
+    finally:
+        for ranks in groups:
+            end(ranks)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(rendezvous, ignore_errors=True)
+        os.close(remover)
 
 
 # what the remover runs: wait for the launcher's end of the pipe to close, then remove the directory

@@ -53,6 +53,19 @@ def open_log(out: Path, start: int) -> TextIO:
         return os.fdopen(folder.open_regular(METRICS, os.O_WRONLY | os.O_APPEND), "a")
 
 
+def append_log(out: Path) -> TextIO:
+    """metrics.jsonl, open for appending as it is (Note [replica groups]: the groups take turns
+    writing it; the launcher emptied it for a new run)."""
+    with Folder.open(out, create=True) as folder:
+        return os.fdopen(folder.open_regular(METRICS, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
+
+
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """Each step's last row, in step order: a replica group resumed from a checkpoint behind the
+    log trains those steps again, and the rows they wrote last stand."""
+    return sorted({row["step"]: row for row in rows}.values(), key=lambda row: row["step"])
+
+
 def summary(steps: int, rows: list[dict], out: Path) -> str:
     """The closing table: validation loss, speed, memory and where the outputs are."""
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -90,6 +103,9 @@ def plot(rows: list[dict], path: Path, saves: list[int] = ()) -> None:
     losses.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="training", linewidth=0.8)
     val_rows = [r for r in rows if "val_loss" in r]
     losses.plot([r["step"] for r in val_rows], [r["val_loss"] for r in val_rows], "o-", label="validation")
+    fewer = [r for r in train_rows if r.get("participants", 0) < max(x.get("participants", 0) for x in train_rows)]
+    if fewer:  # replica groups left out of these steps (--fault-tolerant)
+        losses.plot([r["step"] for r in fewer], [r["loss"] for r in fewer], "rx", label="fewer replica groups")
     losses.set(xlabel="step", ylabel="loss (nats per byte)", title="loss")
     losses.legend()
     for rank in range(max((len(r["peak_mem_mb"]) for r in train_rows), default=0)):

@@ -29,7 +29,7 @@ from fullshard import runtime
 from fullshard.cli.config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes, unused_problem
 from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
-from fullshard.cli.run_log import open_log, plot, read_rows, summary
+from fullshard.cli.run_log import latest_rows, open_log, plot, read_rows, summary
 from fullshard.collectives import all_reduce_
 from fullshard.errors import CollectiveError, EveryRankError, FullShardError, collective_failed, fail
 from fullshard.stats import return_freed_memory
@@ -256,9 +256,12 @@ def train_loop(run: Run, start: int, log: TextIO | None, ckpt: Path) -> None:
         progress.close()
 
 
-def train_step(run: Run, step: int, comm_stats) -> dict:
-    """One optimizer step on the global batch of `step`; its metrics row."""
+def train_step(run: Run, step: int, comm_stats, manager=None) -> dict:
+    """One optimizer step on the global batch of `step`; its metrics row. With a replica group's
+    fullshard.ft `manager`: on the group's part of it (its place in the quorum, of --replicas),
+    the optimizer stepping only if the step commits."""
     cfg, model = run.cfg, run.model
+    place, parts = (0, 1) if manager is None else (manager.participating_rank() or 0, cfg.replicas)
     begin = time.perf_counter()
     lr = lr_at(step, cfg)
     for group in run.optimizer.param_groups:
@@ -267,29 +270,31 @@ def train_step(run: Run, step: int, comm_stats) -> dict:
     with comm_stats as comm:
         offsets = batch_offsets(len(run.train_data), step, seed=cfg.seed, seq_len=cfg.seq_len, batch=cfg.global_batch)
         for micro_offsets in offsets.chunk(cfg.grad_accum):
-            x, y = batch_rows(run.train_data, micro_offsets.chunk(run.world)[run.rank], cfg.seq_len, run.device)
+            mine = micro_offsets.chunk(parts)[place].chunk(run.world)[run.rank]
+            x, y = batch_rows(run.train_data, mine, cfg.seq_len, run.device)
             loss = model(x, y) / cfg.grad_accum
             (run.scaler.scale(loss) if run.scaler else loss).backward()
             loss_sum += loss.detach().float()
-        grad_norm = optimizer_step(run)
+        grad_norm = optimizer_step(run, manager)
     ranks = exchange_metrics([loss_sum, grad_norm, peak_memory_mb(run.device)], step=step + 1, device=run.device,
                              timeout=run.timeout)
     seconds = time.perf_counter() - begin
     return {"step": step + 1, "loss": sum(r[0] for r in ranks) / run.world, "lr": lr, "grad_norm": ranks[run.rank][1],
-            "tokens_per_s": cfg.global_batch * cfg.seq_len / seconds,
+            "tokens_per_s": cfg.global_batch // parts * cfg.seq_len / seconds,
             "peak_mem_mb": [round(r[2], 1) for r in ranks], "sent_bytes": comm.sent_bytes,
             "wait_s": round(comm.wait_s, 4)}
 
 
-def optimizer_step(run: Run) -> torch.Tensor:
-    """Clip (--clip; 0: only measure), step and zero the gradients; the global gradient norm."""
+def optimizer_step(run: Run, manager=None) -> torch.Tensor:
+    """Clip (--clip; 0: only measure), step and zero the gradients; the global gradient norm.
+    With a fullshard.ft `manager`, the step only if every replica group's step commits."""
     if run.scaler:
         run.scaler.unscale_(run.optimizer)
     grad_norm = fullshard.clip_grad_norm_(run.model, run.cfg.clip if run.cfg.clip else float("inf"))
     if run.scaler:
         run.scaler.step(run.optimizer)
         run.scaler.update()
-    else:
+    elif manager is None or manager.should_commit():
         run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -347,6 +352,8 @@ def sample(run: Run) -> str:
 def report(cfg: TrainConfig, out: Path, text: str) -> None:
     """Rank 0, at the end: the sample, loss.png and the summary table."""
     rows = read_rows(out / "metrics.jsonl")
+    if cfg.fault_tolerant:  # Note [replica rows]
+        rows = latest_rows(rows)
     print(f"\nsample:\n{text}\n", flush=True)
     saves = [r["step"] for r in rows if "loss" in r and cfg.ckpt_interval and r["step"] % cfg.ckpt_interval == 0]
     plot(rows, out / "loss.png", saves)

@@ -1,0 +1,115 @@
+"""One rank of one replica group of `fullshard train --fault-tolerant`, top-down: join the
+group, build and shard the GPT, join torchft's quorum through fullshard.ft, resume, train
+until --steps steps have committed, report (Note [replica groups] in launcher.py).
+
+Note [replica rows]: each committed step is logged once, by rank 0 of the group in place 0 of
+that step's quorum (a healing group takes no place), with the step's participants; the groups
+take turns appending to metrics.jsonl. A group's batch is its place's part of the step's
+global batch, so a step with fewer groups trains on fewer sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import fullshard
+from fullshard import ft
+from fullshard.cli.config import TrainConfig, gpt_dims
+from fullshard.cli.launcher import REPLICA, die_with_launcher
+from fullshard.cli.run_log import append_log
+from fullshard.cli.trainer import Run, build, evaluate, join_job, report, sample, share, train_step
+from fullshard.stats import return_freed_memory
+
+
+def train_replica(cfg: TrainConfig) -> int:
+    """This rank's whole run; its exit status (a FullShardError propagates: status 3)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return_freed_memory()
+    die_with_launcher()
+    out, group = Path(cfg.out), int(os.environ[REPLICA])
+    rank, world, device = join_job(cfg)
+    run, description = build(cfg, rank, world, device)
+    manager = join_quorum(run, group)
+    ckpt = out / "checkpoint" / f"replica_{group}"
+    resume(run, manager, ckpt)
+    if rank == 0 and group == 0:
+        print(description + f"; {cfg.replicas} replica groups of {world} ranks, fault tolerant (torchft)", flush=True)
+    log = append_log(out) if rank == 0 else None
+    logged = train_loop(run, manager, log, ckpt)
+    text = sample(run)
+    share(torch.zeros(1, device=device), timeout=run.timeout, what="the barrier at the end of the run")
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+    if log is not None:
+        log.close()
+        if logged:  # the group that logged the last step reports
+            report(cfg, out, text)
+    return 0
+
+
+def join_quorum(run: Run, group: int) -> ft.Manager:
+    """This group's TCPStore (served by its rank 0 on --ft-bind) and torchft Manager, the model
+    and optimizer attached."""
+    cfg, timeout = run.cfg, run.timeout
+    store = ft.replica_store(cfg.ft_bind, 0, is_master=True, timeout=timeout) if run.rank == 0 else None
+    port = torch.tensor([store.port if store is not None else 0], device=run.device)
+    port = int(share(port, timeout=timeout, what="the broadcast of the replica group's store port")[0])
+    if store is None:
+        store = ft.replica_store(cfg.ft_bind, port, is_master=False, timeout=timeout)
+    manager = ft.Manager(bind=cfg.ft_bind, replica_id=f"replica_{group}", lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
+                         rank=run.rank, world_size=run.world, store_addr=cfg.ft_bind, store_port=port, timeout=timeout,
+                         quorum_timeout=timeout, connect_timeout=timeout)
+    manager.replica_store = store  # the group's rank 0 serves it for the Manager's life
+    ft.attach(manager, run.model, run.optimizer)
+    return manager
+
+
+def resume(run: Run, manager: ft.Manager, ckpt: Path) -> None:
+    """This group's newest checkpoint, if any (--resume): its step becomes torchft's. A live group
+    further on heals this one at the first quorum anyway."""
+    if not (run.cfg.resume and (ckpt / "LATEST").is_file()):
+        return
+    info = fullshard.load(ckpt, run.model, run.optimizer)
+    committed = info["extra"].get("batches_committed", 0) if isinstance(info["extra"], dict) else 0
+    manager.load_state_dict({"step": info["step"], "batches_committed": committed})
+
+
+def train_loop(run: Run, manager: ft.Manager, log, ckpt: Path) -> bool:
+    """Until --steps steps have committed: a step each time, a row for each committed one
+    (Note [replica rows]), validation and checkpoints by the committed step. Whether this
+    group logged the last step."""
+    cfg = run.cfg
+    comm_stats = fullshard.stats(run.model)
+    saving, last, logged = None, time.perf_counter(), False
+    while (step := manager.current_step()) < cfg.steps:
+        manager.start_quorum()
+        manager.wait_quorum()
+        step = manager.current_step()  # a healed group's is the live group's
+        writer = manager.participating_rank() == 0 and log is not None
+        record = train_step(run, step, comm_stats, manager)
+        if manager.current_step() == step:  # not committed: redone with the next quorum
+            continue
+        done = step + 1
+        if done % cfg.eval_interval == 0 or done == cfg.steps:
+            record["val_loss"] = evaluate(run)
+        now = time.perf_counter()
+        record.update(participants=manager.num_participants(), step_s=round(now - last, 4))
+        logged = writer
+        if writer:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        if (cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps:
+            saving = fullshard.save(ckpt, run.model, run.optimizer, step=done, block=not cfg.background_saves,
+                                    extra={"preset": cfg.preset, "dims": gpt_dims(cfg),
+                                           "batches_committed": manager.batches_committed()})
+        last = now
+    if saving is not None:
+        saving.result()
+    return logged
