@@ -61,6 +61,21 @@ def rank_env(rank: int, size: int, port: int) -> dict[str, str]:
     }
 
 
+def loopback_store(rank: int, size: int, port: int):
+    """The world's TCPStore, rank 0 serving it on 127.0.0.1 alone (torch's own listens on every
+    interface): a socket bound here, handed to the store."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, size, False, timeout=timeout)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    return dist.TCPStore("127.0.0.1", port, size, True, timeout=timeout, master_listen_fd=listener.detach())
+
+
 def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue) -> None:
     """A rank's life: join the gloo group, then run jobs until told to stop."""
     os.environ.update(rank_env(rank, size, port))
@@ -68,7 +83,11 @@ def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue) ->
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    # the groups a DeviceMesh makes (new_group without a timeout) take torch's default, 30 minutes;
+    # a DTensor collective of a test's own (full_tensor) on them must fail within the minute too
+    dist.distributed_c10d.default_pg_timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group("gloo", store=loopback_store(rank, size, port), rank=rank, world_size=size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     while (job := jobs.get()) is not None:
         fn, kwargs = job
         try:

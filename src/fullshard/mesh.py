@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import os
 import weakref
@@ -55,14 +56,33 @@ class ShardGroup:
         return self.world * self.replicas
 
 
-_derived: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mesh -> {key: what fullshard made of it}
+# Note [mesh identity]: a DeviceMesh compares and hashes by its ranks, layout, device type and
+# dim names, not by its process groups: two init_device_mesh calls of one shape make equal
+# meshes, each with groups of its own. What fullshard derives from a mesh is therefore kept by
+# the mesh object (its id, while it lives), never looked up by equality: an equal older mesh,
+# alive on one rank (its model not yet garbage-collected) and gone on another, would give the
+# ranks of one group different process groups (a new model's gradients on the old mesh's
+# groups on some ranks only), and their DTensor collectives would wait for each other for the
+# groups' timeout (30 minutes for the groups a DeviceMesh makes).
+_derived: dict[int, tuple[weakref.ref, dict]] = {}  # id(mesh) -> (mesh, {key: what fullshard made of it})
 _timed_groups: dict[timedelta, dist.ProcessGroup] = {}  # of every rank: no mesh's, the process's
+
+
+def _forget(mesh_id: int, ref: weakref.ref) -> None:
+    """Drop what was derived from a mesh that is gone (not an entry of a newer mesh with its id)."""
+    entry = _derived.get(mesh_id)
+    if entry is not None and entry[0] is ref:
+        del _derived[mesh_id]
 
 
 def of_mesh(mesh: DeviceMesh, key, make: Callable[[], object]):
     """What fullshard derives from `mesh` under `key` (its spanned dims, its smaller groups, its
-    join with a TP mesh): made once, kept with the mesh and dropped with it."""
-    derived = _derived.setdefault(mesh, {})
+    join with a TP mesh): made once, kept with this mesh object and dropped with it (Note [mesh
+    identity]: never another, equal mesh's)."""
+    entry = _derived.get(id(mesh))
+    if entry is None or entry[0]() is not mesh:
+        entry = _derived[id(mesh)] = (weakref.ref(mesh, functools.partial(_forget, id(mesh))), {})
+    derived = entry[1]
     if key not in derived:
         derived[key] = make()
     return derived[key]
@@ -273,7 +293,7 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
         spanned_dims(joined)  # for clip_grad_norm_, now rather than in a training step
         return joined
 
-    return of_mesh(dp_mesh, ("joined with", tp_mesh), make)
+    return of_mesh(dp_mesh, ("joined with", id(tp_mesh), tp_mesh), make)  # this TP mesh (Note [mesh identity])
 
 
 def spmd_dp_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, frozenset[int], str | None]:
