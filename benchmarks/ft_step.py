@@ -9,7 +9,9 @@ hybrid sharding (fully_shard per block and root over a (2, G) mesh: the cross-re
 all-reduce inside fullshard, one process group) and the recipe (2 groups of G ranks, torchft's
 Manager, quorum and commit every step, the all-reduce through the units' all-reduce hook);
 AdamW, 4 sequences per group per step, one thread per rank, tests/replicas.py's processes.
-Step time: the median over every step but the first 3 of every round of rank 0 of group 0. Then
+Step time: the median over every step but the first 3 of every round of rank 0 of group 0, and
+of it the medians of the seconds in torchft's quorum (zero_grad and wait_quorum), in the
+cross-replica all-reduce the units' hook issues and waits for, and in should_commit. Then
 one run with a failure: group 1 SIGKILLed inside the all-reduce and restarted at once; the
 seconds from the kill to group 0's next committed step, and from the restart to group 1's
 first committed step (its heal included).
@@ -31,6 +33,7 @@ from tests.world import World  # noqa: E402
 
 SEQ = {"tiny": 8, "15m": 64, "100m": 64}
 WARMUP = 3
+PARTS: dict[tuple[str, int], list[dict]] = {}  # the recipe's rows: seconds in torchft's quorum, all-reduce, commit
 
 
 def hybrid_job(group_size: int, preset: str, steps: int) -> list[float]:
@@ -65,6 +68,7 @@ def ft_steps(group_size: int, preset: str, steps: int) -> list[float]:
         rows = replicas.results({(r, k) for r in range(2) for k in range(group_size)}, deadline_s=600)[0, 0]
     finally:
         replicas.close()
+    PARTS.setdefault((preset, group_size), []).extend(rows[WARMUP:])
     return [b["t"] - a["t"] for a, b in zip(rows, rows[1:])]
 
 
@@ -108,13 +112,17 @@ def main() -> None:
         for world in worlds.values():
             world.close()
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {rounds} rounds x {steps} steps\n")
-    print("| model | groups x ranks | hybrid step (ms) | fullshard.ft step (ms) | ratio |")
-    print("|---|---|---|---|---|")
+    print("| model | groups x ranks | hybrid step (ms) | fullshard.ft step (ms) | ratio | of which quorum (ms) | "
+          "all-reduce waited in the hook (ms) | commit (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
     for preset in presets:
         for g in sizes:
             plain = statistics.median(times[preset, g, "hybrid"]) * 1e3
             ft = statistics.median(times[preset, g, "ft"]) * 1e3
-            print(f"| {preset} | 2 x {g} | {plain:.1f} | {ft:.1f} | {ft / plain:.2f}x |")
+            parts = {key: statistics.median(row[key] for row in PARTS[preset, g]) * 1e3
+                     for key in ("quorum_s", "reduce_s", "commit_s")}
+            print(f"| {preset} | 2 x {g} | {plain:.1f} | {ft:.1f} | {ft / plain:.2f}x | {parts['quorum_s']:.1f} | "
+                  f"{parts['reduce_s']:.1f} | {parts['commit_s']:.1f} |")
     for preset in presets[:1]:
         after_kill, back = failure(preset)
         print(f"\n{preset}, 2 x 1: kill -> group 0's next committed step {after_kill:.2f} s; "

@@ -178,16 +178,35 @@ def rank_main(cfg: dict[str, Any], reports: mp.Queue) -> None:
     model.h[0].register_full_backward_pre_hook(lambda *_: kill_here(cfg) if armed("backward") else None)
     step_optimizer = optimizer.step
     optimizer.step = lambda *a, **k: kill_here(cfg) if armed("optimizer") else step_optimizer(*a, **k)
-    reduce = manager.allreduce
-    manager.allreduce = lambda row, *a, **k: kill_here(cfg) if armed("allreduce") else reduce(row, *a, **k)
+    spent = {"quorum_s": 0.0, "reduce_s": 0.0, "commit_s": 0.0}  # this step's seconds in torchft's parts
+    reduce, commit = manager.allreduce, manager.should_commit
+
+    def timed(key: str, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - start
+
+    class TimedWork:  # the hook waits on what manager.allreduce returns
+        def __init__(self, work) -> None:
+            self.work = work
+
+        def wait(self, *args):
+            return timed("reduce_s", self.work.wait, *args)
+
+    manager.allreduce = lambda row, *a, **k: kill_here(cfg) if armed("allreduce") else TimedWork(
+        timed("reduce_s", reduce, row, *a, **k))
+    manager.should_commit = lambda *a, **k: timed("commit_s", commit, *a, **k)
     rows = []
     saving = None
     try:
         for _ in range(cfg["iterations"]):
             if manager.current_step() >= min(cfg["steps"], cfg["stop"].value):
                 break
-            wrapped.zero_grad()
-            manager.wait_quorum()
+            spent.update(dict.fromkeys(spent, 0.0))
+            timed("quorum_s", wrapped.zero_grad)
+            timed("quorum_s", manager.wait_quorum)
             start = manager.current_step()
             first = first or [start]
             x, y = batch_of(start, manager.participating_rank() or 0, rank, size, cfg.get("seq"))
@@ -195,7 +214,7 @@ def rank_main(cfg: dict[str, Any], reports: mp.Queue) -> None:
             loss.backward()
             norm = fullshard.clip_grad_norm_(model, 1.0) if cfg["clip"] else None
             wrapped.step()
-            rows.append({"step": start, "committed": manager.current_step() > start, "t": time.time(),
+            rows.append({"step": start, "committed": manager.current_step() > start, "t": time.time(), **spent,
                          "participants": manager.num_participants(), "replica_rank": manager.participating_rank(),
                          "loss": loss.item(), "norm": None if norm is None else norm.item(),
                          "digest": digest(model, optimizer)})

@@ -478,3 +478,17 @@ def test_train_fault_tolerant_under_torchrun_points_to_the_recipe(monkeypatch, c
         monkeypatch.setenv(var, value)
     assert cli.main(["train", "--out", str(tmp_path), "--replicas", "2", "--fault-tolerant"]) == 2
     assert "run it without torchrun (or, under torchrun, use fullshard.ft's recipe" in capsys.readouterr().err
+
+
+def test_the_test_worlds_listen_on_127_0_0_1_only(world2):
+    """The rank pools every multi-process test runs in: their store and gloo's sockets are all on
+    127.0.0.1 (torch's TCPStore would listen on every interface: tests/world.py binds it)."""
+    from tests.replicas import listening
+    world2.run(dist_barrier)
+    sockets = {proc.pid: listening(proc.pid) for proc in world2.procs}
+    assert all(found and all(s.startswith("127.0.0.1:") for s in found) for found in sockets.values()), sockets
+
+
+def dist_barrier() -> None:
+    import torch.distributed as dist
+    dist.barrier()

@@ -205,10 +205,13 @@ class FSDPModule(TorchFSDPModule):
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """Call ``hook(reduced)`` on each of this unit's reduced gradient rows (this rank's shard,
         after the reduction across replicas when hybrid), before they land on the gradients;
-        the hook may change the row in place, e.g. all-reduce it over a group of your own.
+        the hook may change the row in place, e.g. all-reduce it over a group of your own. A
+        hook that returns something with a ``wait()`` (an async collective's work) has its
+        row landed at the end of backward, after that wait: its communication overlaps the
+        rest of backward (Note [waited hooks] in reduce.py).
 
         Args:
-            hook: ``hook(reduce_output: torch.Tensor) -> None``.
+            hook: ``hook(reduce_output: torch.Tensor) -> None`` (or a waitable).
             stream: not taken: the hook runs on the compute stream, which has waited for the
                 reduction.
         """

@@ -35,6 +35,13 @@ blocks, summed in float32 where they arrive), chosen by the unit's options
 # unit's parameters (the has-gradient flags decide which gradients stay None). Those rows
 # wait in the unit's queue until the end of backward, when the host waits once for all of
 # them (Note [host syncs]) and they land.
+#
+# Note [waited hooks]: an all-reduce hook (set_all_reduce_hook) that returns something with a
+# wait() has started its own communication on the row, e.g. torchft's all-reduce across replica
+# groups (fullshard.ft): the row is not touched until the end of backward, when it is waited
+# for, checked for non-finite values and landed, so that communication overlaps the rest of
+# backward as fullshard's own all-reduce across replicas does. Rows live in the unit's pool
+# until then, as the queued rows above do.
 """
 
 from __future__ import annotations
@@ -301,6 +308,7 @@ class Reductions:
         self.plans: dict[tuple[bool, ...], list[ReducePlan]] = {}
         self.in_flight: list[tuple[ReducePlan, Reducing]] = []  # one per reduce dtype
         self.unlanded: list[tuple[ReducePlan, torch.Tensor, torch.Tensor]] = []  # Note [landing]
+        self.hooked: list[tuple[ReducePlan, Reducing, torch.Tensor, object]] = []  # Note [waited hooks]
         self.finite: torch.Tensor | None = None  # 0-d bool on the device: every reduced gradient so far was finite
         self.owes_all_reduce = False  # reduced within the group only (all_reduce_grads off)
         self.reduced = False  # a reduction finished in this backward (the root settles the all-reduce once)
@@ -309,6 +317,9 @@ class Reductions:
     def reset(self) -> None:
         """Drop the backward in flight (it raised): nothing pending, no full gradient."""
         self.finish()
+        for *_, pending in self.hooked:  # the hook's communication still writes into its row
+            pending.wait()
+        self.hooked.clear()
         self.unlanded.clear()
         self.finite = None
         self.reduced = False
@@ -394,7 +405,23 @@ class Reductions:
         counts["wait_s"] += time.perf_counter() - start
         flags_at = row.numel() - len(plan.params)
         if self.unit.switches.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
-            self.unit.switches.all_reduce_hook(row[:flags_at])
+            pending = self.unit.switches.all_reduce_hook(row[:flags_at])
+            if callable(getattr(pending, "wait", None)):  # Note [waited hooks]
+                self.hooked.append((plan, reducing, row, pending))
+                return
+        self.land_row(plan, reducing, row)
+
+    def land_hooked(self) -> None:
+        """Land the rows whose all-reduce hook is still communicating (Note [waited hooks])."""
+        hooked, self.hooked = self.hooked, []
+        for plan, reducing, row, pending in hooked:
+            pending.wait()
+            self.land_row(plan, reducing, row)
+
+    def land_row(self, plan: ReducePlan, reducing: Reducing, row: torch.Tensor) -> None:
+        """The rest of `land_reduced`, once the row holds its final values."""
+        flags_at = row.numel() - len(plan.params)
+        counts = self.unit.counts
         if self.unit.switches.nonfinite is not None:  # on the device: the root reads every unit's at once
             finite = torch.isfinite(row.sum(dtype=torch.float64))  # one pass; a float64 sum cannot overflow
             self.finite = finite if self.finite is None else self.finite & finite

@@ -92,6 +92,8 @@ class Root:
                 hooks.finish_backward()
             for hooks in reversed(self.units):
                 hooks.unit.grads.finish()
+            for hooks in reversed(self.units):  # the all-reduce hooks' communication (Note [waited hooks])
+                hooks.unit.grads.land_hooked()
             reduced = any(hooks.unit.grads.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
             if any(hooks.unit.grads.unlanded for hooks in self.units):  # the one host sync, Note [host syncs]
                 self.host_waits("the gradients copied to host memory")

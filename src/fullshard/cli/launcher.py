@@ -5,7 +5,8 @@ Note [local launch]: without torchrun the command is its own launcher. Its ranks
 in a FileStore: a file in a fresh directory only this user can enter (mode 0700, made
 by mkdtemp), a new file for each attempt, so no other local user can read the job's
 keys or write into them (torch's TCPStore takes any local connection: a garbage key
-there broke a restart), and nothing of a local run listens on a port for it; gloo
+there broke a restart), and nothing of a local run listens on a port for it (but with
+--fault-tolerant: Note [replica groups]); gloo
 binds to the loopback interface. The launcher starts one process per rank, each in a
 session of its own (a Ctrl-C reaches the launcher alone, which then ends the ranks),
 restarts them all when one fails, as often as --max-restarts allows (they resume from
@@ -22,7 +23,10 @@ directory is never used or entered: the run then makes its directory beside it.
 
 Note [replica groups]: with --fault-tolerant the launcher hosts torchft's lighthouse on
 --ft-bind and starts --replicas groups of ranks, each a job of its own (its FileStore, its
-process group); fullshard.ft's Manager runs the all-reduce across them. A group whose rank
+process group); fullshard.ft's Manager runs the all-reduce across them. torchft needs its
+listeners (the lighthouse, each group's TCPStore and Manager server, gloo across groups), all
+on --ft-bind, where a local user can stop or stall the run, never run code in it (nothing
+that arrives is unpickled: docs/fault-tolerance.md). A group whose rank
 dies is ended and started again while another group is alive: it heals from a live group and
 rejoins (docs/fault-tolerance.md). When no other group is alive, that counts against
 --max-restarts, and the restarted groups resume from their own checkpoints. Only a rank killed

@@ -13,8 +13,8 @@ step is theirs, bitwise.
 
 Note [uncommitted steps]: a step whose cross-replica all-reduce failed (a group died inside it)
 does not commit: torchft's Manager answers should_commit False, OptimizerWrapper skips
-optimizer.step(), and the next quorum leaves the dead group out. The hook zeroes what the
-failed all-reduce left in the gradients, so nothing downstream sees it: not the non-finite
+optimizer.step(), and the next quorum leaves the dead group out. The hook's all-reduce, once
+waited for, zeroes what a failed all-reduce left in the gradients, so nothing downstream sees it: not the non-finite
 check, not clip_grad_norm_ (whose norm is then 0). torchft retries an uncommitted step forever
 by default; here `max_retries` (10) bounds the consecutive failures, and a FullShardError from
 the heal (a refusal, a wrong attach) ends the run at once: retrying could not change it.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -131,6 +132,20 @@ def bound_server(host: str):
     return build
 
 
+@dataclass
+class Averaging:
+    """A row's all-reduce across replica groups in flight; zeros once waited for if it failed
+    (Note [uncommitted steps])."""
+    manager: Manager
+    work: Any
+    row: torch.Tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.manager.errored() is not None:
+            self.row.zero_()
+
+
 def attach(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Run `model`'s cross-replica all-reduce on `manager` (every unit's all-reduce hook), and
     let a joining group heal from this one's shards and `optimizer`'s state.
@@ -148,11 +163,10 @@ def attach(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer 
     units = units_of(model, "fault tolerance")
     transport.attach(model, optimizer)
 
-    def all_reduce(row: torch.Tensor) -> None:
-        """The average over the participating replica groups; zeros if it failed (Note [uncommitted steps])."""
-        manager.allreduce(row).wait()
-        if manager.errored() is not None:
-            row.zero_()
+    def all_reduce(row: torch.Tensor) -> Averaging:
+        """The average over the participating replica groups, waited for at the end of backward
+        (Note [waited hooks] in reduce.py)."""
+        return Averaging(manager, manager.allreduce(row), row)
 
     for unit in units:
         unit.module.set_all_reduce_hook(all_reduce)
