@@ -54,12 +54,7 @@ def same_grads_job(mesh_shape: tuple[int, int] | None = None) -> dict:
         grads = [torch.randn(p.shape, generator=generator) for p in reference.parameters()]
         for p, grad in zip(model.parameters(), grads):
             p.grad = distribute_tensor(grad, p.device_mesh, p.placements)
-        for q, grad in zip(whole, grads):
-            q.grad = grad.clone()
-        for e, grad in zip(experts, grads[-1]):
-            e.grad = grad.clone()
-        ours.step()
-        theirs.step()
+        step_both(ours, theirs, whole, experts, grads)
     mine = [p.full_tensor() for p in model.parameters()]
     buffers = [ours.state[p]["momentum_buffer"].full_tensor() for p in model.parameters()]
     want = [*(q.detach() for q in whole), torch.stack([e.detach() for e in experts])]
@@ -67,6 +62,17 @@ def same_grads_job(mesh_shape: tuple[int, int] | None = None) -> dict:
                     torch.stack([theirs.state[e]["momentum_buffer"] for e in experts])]
     return {"params": [torch.equal(a, b) for a, b in zip(mine, want)],
             "buffers": [torch.equal(a, b) for a, b in zip(buffers, want_buffers)]}
+
+
+def step_both(ours, theirs, whole: list, experts: list, grads: list[torch.Tensor]) -> None:
+    """torch.optim.Muon's matrices (`whole`, and each expert of the last, stacked) given the
+    gradients `grads` (the sharded model's, already given to `ours`), then both stepped."""
+    for q, grad in zip(whole, grads):
+        q.grad = grad.clone()
+    for e, grad in zip(experts, grads[-1]):
+        e.grad = grad.clone()
+    ours.step()
+    theirs.step()
 
 
 def test_muon_is_torch_muon_bitwise_on_the_same_gradients(world1, world2, world4):

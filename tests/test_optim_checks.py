@@ -19,7 +19,7 @@ from torch.distributed.tensor import distribute_tensor
 import fullshard
 from fullshard.optim import Muon
 from tests.test_errors import raises
-from tests.test_optim import matrices
+from tests.test_optim import matrices, step_both
 from tests.world import World
 
 
@@ -55,12 +55,7 @@ def order_job() -> dict:
     for step in range(2):
         grads = gradients(step, shapes)
         give(model, grads)
-        for q, grad in zip(whole, grads):
-            q.grad = grad.clone()
-        for e, grad in zip(experts, grads[-1]):
-            e.grad = grad.clone()
-        ours.step()
-        theirs.step()
+        step_both(ours, theirs, whole, experts, grads)
     want = [*(q.detach() for q in whole), torch.stack([e.detach() for e in experts])]
     return {"same": [torch.equal(p.full_tensor(), w) for p, w in zip(model.parameters(), want)],
             "set": raises(lambda: Muon(set(params))),
