@@ -25,6 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO (read when they load)
 
 import torch  # noqa: E402
 
@@ -63,7 +64,7 @@ def hybrid_job(group_size: int, preset: str, steps: int) -> list[float]:
 
 def ft_steps(group_size: int, preset: str, steps: int) -> list[float]:
     replicas = Replicas(replicas=2, group_size=group_size, steps=steps, min_replicas=2,
-                        preset=None if preset == "tiny" else preset, seq=SEQ[preset])
+                        preset=None if preset == "tiny" else preset, seq=SEQ[preset], digests=False)
     try:
         rows = replicas.results({(r, k) for r in range(2) for k in range(group_size)}, deadline_s=600)[0, 0]
     finally:
@@ -74,7 +75,8 @@ def ft_steps(group_size: int, preset: str, steps: int) -> list[float]:
 
 def failure(preset: str) -> tuple[float, float]:
     """(kill -> group 0's next committed step, restart -> group 1's first committed step), seconds."""
-    replicas = Replicas(replicas=0, steps=10_000, preset=None if preset == "tiny" else preset, seq=SEQ[preset])
+    replicas = Replicas(replicas=0, steps=10_000, preset=None if preset == "tiny" else preset, seq=SEQ[preset],
+                        digests=False)
     try:
         replicas.start(0)
         replicas.wait_until(lambda: replicas.rows.get((0, 0)), "group 0's first step", deadline_s=300)

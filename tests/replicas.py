@@ -217,7 +217,7 @@ def rank_main(cfg: dict[str, Any], reports: mp.Queue) -> None:
             rows.append({"step": start, "committed": manager.current_step() > start, "t": time.time(), **spent,
                          "participants": manager.num_participants(), "replica_rank": manager.participating_rank(),
                          "loss": loss.item(), "norm": None if norm is None else norm.item(),
-                         "digest": digest(model, optimizer)})
+                         "digest": digest(model, optimizer) if cfg.get("digests", True) else None})
             reports.put(("row", cfg["replica"], rank, rows[-1]))
             if saved and rows[-1]["committed"]:  # every committed step, in the background
                 saving = fullshard.save(saved, model, optimizer, step=manager.current_step(),
@@ -252,7 +252,9 @@ class Replicas:
         """`options`: "optimizer" ("adamw" or "muon"), "clip" (clip_grad_norm_ to 1 each step),
         "checkpoint" (a directory: each group saves there after every committed step, in the
         background, and a started group resumes from its last save), "quorum_timeout_s",
-        "min_replica_size" and "max_retries" (the Manager's), "preset" and "seq" (build_model)."""
+        "min_replica_size" and "max_retries" (the Manager's), "preset" and "seq" (build_model),
+        "binds" ({replica: address}: a group's own, as a host of its own would have; else `bind`),
+        "digests" (False: rows without the digest of every shard, whose hashing a benchmark would time)."""
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(FORK_PRELOAD)
         self.ctx, self.kind, self.group_size, self.steps, self.bind = ctx, kind, group_size, steps, bind
@@ -289,7 +291,8 @@ class Replicas:
         port = free_port()
         for rank in range(self.group_size):
             cfg = {"kind": self.kind, "replica": replica, "group_rank": rank, "group_size": self.group_size,
-                   "bind": self.bind, "store_port": port, "lighthouse": self.address,
+                   "bind": self.options.get("binds", {}).get(replica, self.bind), "store_port": port,
+                   "lighthouse": self.address,
                    "steps": self.steps, "iterations": 4 * self.steps, "stop": self.stop, "release": self.release,
                    "killed_at": self.killed_at,
                    **self.options,

@@ -492,3 +492,42 @@ def test_the_test_worlds_listen_on_127_0_0_1_only(world2):
 def dist_barrier() -> None:
     import torch.distributed as dist
     dist.barrier()
+
+
+def test_groups_on_two_addresses_listen_each_on_its_own_and_heal_across():
+    """The groups as two hosts would run them, each bound to its own address (127.0.0.2 and
+    127.0.0.3, the lighthouse on the first): a kill and a heal across them, bitwise; every
+    torchft listener on its group's address. The group's own gloo group binds lo's first address
+    (GLOO_SOCKET_IFNAME=lo: 127.0.0.1), as docs/fault-tolerance.md says."""
+    binds = {0: "127.0.0.2", 1: "127.0.0.3"}
+    replicas = Replicas(replicas=0, steps=10_000, bind="127.0.0.2", binds=binds)
+    try:
+        replicas.start(0)
+        replicas.wait_until(lambda: replicas.rows.get((0, 0)), "group 0's first step")
+        replicas.start(1, kill={"where": "allreduce"})
+        replicas.wait_until(lambda: not replicas.procs[1, 0].is_alive(), "group 1 dying")
+        replicas.start(1)
+        replicas.wait_until(lambda: len(committed(replicas.rows.get((1, 0), []))) >= 3, "group 1 rejoining")
+        replicas.stop_soon()
+        replicas.results({(0, 0), (1, 0)})
+        sockets = replicas.listeners()
+    finally:
+        replicas.close()
+    assert sockets.pop("lighthouse")[0].startswith("127.0.0.2:")
+    for replica, address in binds.items():
+        found = sockets[f"replica {replica} rank 0"]
+        assert sum(s.startswith(address + ":") for s in found) >= 3, found  # store, Manager server, gloo across
+        assert all(s.startswith((address + ":", "127.0.0.1:")) for s in found), found
+    theirs = by_step(replicas.rows[0, 0])
+    assert all(theirs[row["step"]]["digest"] == row["digest"] for row in committed(replicas.rows[1, 0]))
+
+
+def test_another_torchft_release_is_refused_by_name(monkeypatch):
+    import importlib.metadata
+
+    from fullshard import FullShardError
+    from fullshard.ft.network import check_torchft
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.0.dev1" if name == "torchft" else real(name))
+    with pytest.raises(FullShardError, match=r"checked with torchft 0\.2\.0, and torchft 0\.3\.0\.dev1 is installed"):
+        check_torchft()
