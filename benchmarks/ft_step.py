@@ -78,19 +78,10 @@ def failure(preset: str) -> tuple[float, float]:
     replicas = Replicas(replicas=0, steps=10_000, preset=None if preset == "tiny" else preset, seq=SEQ[preset],
                         digests=False)
     try:
-        replicas.start(0)
-        replicas.wait_until(lambda: replicas.rows.get((0, 0)), "group 0's first step", deadline_s=300)
-        replicas.start(1, kill={"where": "allreduce"})
-        replicas.wait_until(lambda: not replicas.procs[1, 0].is_alive(), "group 1 dying", deadline_s=300)
-        killed = replicas.killed_at.value
-        restarted = time.time()
-        replicas.start(1)
-        replicas.wait_until(lambda: any(r["committed"] for r in replicas.rows.get((1, 0), [])), "group 1 back",
-                            deadline_s=300)
-        replicas.stop_soon()
-        replicas.results({(0, 0), (1, 0)}, deadline_s=300)
+        replicas.lose_and_heal("allreduce")
     finally:
         replicas.close()
+    killed, restarted = replicas.killed_at.value, replicas.started_at[1]
     after_kill = min(r["t"] for r in replicas.rows[0, 0] if r["committed"] and r["t"] > killed) - killed
     back = min(r["t"] for r in replicas.rows[1, 0] if r["committed"]) - restarted
     return after_kill, back

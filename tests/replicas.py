@@ -275,6 +275,7 @@ class Replicas:
         self.finished: set[tuple[int, int]] = set()
         self.errors: dict[tuple[int, int], str] = {}
         self.resumed: dict[tuple[int, int], dict] = {}
+        self.started_at: dict[int, float] = {}  # time.time() of each group's last start
         self.procs: dict[tuple[int, int], Any] = {}
         for replica in range(replicas):
             self.start(replica)
@@ -289,6 +290,7 @@ class Replicas:
                 self.rows[replica, rank, len(self.rows)] = self.rows.pop((replica, rank))
             self.finished.discard((replica, rank))
         port = free_port()
+        self.started_at[replica] = time.time()
         for rank in range(self.group_size):
             cfg = {"kind": self.kind, "replica": replica, "group_rank": rank, "group_size": self.group_size,
                    "bind": self.options.get("binds", {}).get(replica, self.bind), "store_port": port,
@@ -348,6 +350,19 @@ class Replicas:
                 raise AssertionError(f"{what}: not within {deadline_s} s; rows so far: "
                                      f"{ {k: len(v) for k, v in self.rows.items()} }")
             self.poll(0.2)
+
+    def lose_and_heal(self, where: str) -> None:
+        """Group 0 trains; group 1 joins, is SIGKILLed in its third step (`where`), is restarted,
+        heals and commits 3 steps; then both end at one step."""
+        self.start(0)
+        self.wait_until(lambda: self.rows.get((0, 0)), "group 0's first step")
+        self.start(1, kill={"where": where})
+        self.wait_until(lambda: not self.procs[1, 0].is_alive(), f"group 1 dying in the {where}")
+        self.start(1)
+        self.wait_until(lambda: len([r for r in self.rows.get((1, 0), []) if r["committed"]]) >= 3,
+                        "group 1 rejoining")
+        self.stop_soon()
+        self.results({(0, 0), (1, 0)})
 
     def stop_soon(self, after: int = 2) -> None:
         """Every rank ends once `after` more steps than the furthest have committed: all at the same step."""

@@ -298,14 +298,7 @@ def test_a_heal_during_a_background_save_and_a_restart_with_no_live_peer_resumes
     from its last checkpoint: at that step, with replica 0's state there, not from step 0."""
     replicas = Replicas(replicas=0, steps=10_000, checkpoint=str(tmp_path))
     try:
-        replicas.start(0)
-        replicas.wait_until(lambda: replicas.rows.get((0, 0)), "replica 0's first step")
-        replicas.start(1, kill={"where": "allreduce"})
-        replicas.wait_until(lambda: not replicas.procs[1, 0].is_alive(), "replica 1 dying")
-        replicas.start(1)
-        replicas.wait_until(lambda: len(committed(replicas.rows.get((1, 0), []))) >= 3, "replica 1 rejoining")
-        replicas.stop_soon()
-        replicas.results({(0, 0), (1, 0)})
+        replicas.lose_and_heal("allreduce")
         last = replicas.rows[1, 0][-1]["step"] + 1
         replicas.procs[0, 0].kill()  # no live peer: an idle one would still be a member of the quorum
         replicas.stop.value = last + 2
@@ -502,14 +495,7 @@ def test_groups_on_two_addresses_listen_each_on_its_own_and_heal_across():
     binds = {0: "127.0.0.2", 1: "127.0.0.3"}
     replicas = Replicas(replicas=0, steps=10_000, bind="127.0.0.2", binds=binds)
     try:
-        replicas.start(0)
-        replicas.wait_until(lambda: replicas.rows.get((0, 0)), "group 0's first step")
-        replicas.start(1, kill={"where": "allreduce"})
-        replicas.wait_until(lambda: not replicas.procs[1, 0].is_alive(), "group 1 dying")
-        replicas.start(1)
-        replicas.wait_until(lambda: len(committed(replicas.rows.get((1, 0), []))) >= 3, "group 1 rejoining")
-        replicas.stop_soon()
-        replicas.results({(0, 0), (1, 0)})
+        replicas.lose_and_heal("allreduce")
         sockets = replicas.listeners()
     finally:
         replicas.close()
