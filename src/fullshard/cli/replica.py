@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -22,17 +21,14 @@ import torch.distributed as dist
 import fullshard
 from fullshard import ft
 from fullshard.cli.config import TrainConfig, gpt_dims
-from fullshard.cli.launcher import REPLICA, die_with_launcher
+from fullshard.cli.launcher import REPLICA
 from fullshard.cli.run_log import append_log
-from fullshard.cli.trainer import Run, build, evaluate, join_job, report, sample, share, train_step
-from fullshard.stats import return_freed_memory
+from fullshard.cli.trainer import Run, build, evaluate, join_job, report, sample, share, start_rank, train_step
 
 
 def train_replica(cfg: TrainConfig) -> int:
     """This rank's whole run; its exit status (a FullShardError propagates: status 3)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    return_freed_memory()
-    die_with_launcher()
+    start_rank()
     out, group = Path(cfg.out), int(os.environ[REPLICA])
     rank, world, device = join_job(cfg)
     run, description = build(cfg, rank, world, device)
@@ -88,7 +84,7 @@ def train_loop(run: Run, manager: ft.Manager, log, ckpt: Path) -> bool:
     cfg = run.cfg
     comm_stats = fullshard.stats(run.model)
     saving, last, logged = None, time.perf_counter(), False
-    while (step := manager.current_step()) < cfg.steps:
+    while manager.current_step() < cfg.steps:
         manager.start_quorum()
         manager.wait_quorum()
         step = manager.current_step()  # a healed group's is the live group's

@@ -59,10 +59,7 @@ class Run:
 
 def train(cfg: TrainConfig) -> int:
     """This rank's whole run; its exit status (a FullShardError propagates: status 3)."""
-    # stop quietly: SIGINT, like SIGTERM, ends a rank without a traceback
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    return_freed_memory()  # the basis of the planner's peaks and of the peak reported here
-    die_with_launcher()
+    start_rank()
     out = Path(cfg.out)
     lock = None
     if os.environ.get("RANK") == "0" and LAUNCHER_PID not in os.environ:  # under torchrun
@@ -96,6 +93,15 @@ def train(cfg: TrainConfig) -> int:
     if lock is not None:  # held until here (Note [one run per directory])
         lock.close()
     return 0
+
+
+def start_rank() -> None:
+    """What every rank of the command does first: stop quietly (SIGINT, like SIGTERM, ends it
+    without a traceback), return freed memory (the basis of the planner's peaks and of the peak
+    reported), and die with its launcher (Note [orphans])."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return_freed_memory()
+    die_with_launcher()
 
 
 def join_job(cfg: TrainConfig) -> tuple[int, int, torch.device]:

@@ -63,9 +63,10 @@ class Healed:
 
 def unique_entries(model: nn.Module) -> dict[str, Any]:
     """The model's state entries under their first names (a tied tensor once)."""
-    seen: set[int] = set()
-    return {name: entry for name, entry in state_entries(model).items() if id(entry) not in seen and not
-            seen.add(id(entry))}
+    first: dict[int, tuple[str, Any]] = {}
+    for name, entry in state_entries(model).items():
+        first.setdefault(id(entry), (name, entry))
+    return dict(first.values())
 
 
 def local_of(value: torch.Tensor) -> torch.Tensor:
