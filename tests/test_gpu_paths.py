@@ -164,9 +164,9 @@ def bf16_rounding_job() -> dict:
     contributed = []
     issue = unit.grads.issue
 
-    def spy() -> None:  # the full bf16 gradients this rank contributes
+    def spy(*args) -> None:  # the full bf16 gradients this rank contributes
         contributed.extend(p.unsharded.grad.detach().clone() for p in unit.params)
-        issue()
+        issue(*args)
 
     unit.grads.issue = spy
     model(*local_slice(global_batches(token_batch, 1, 8)[0], rank, world)).backward()

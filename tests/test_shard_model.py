@@ -162,10 +162,9 @@ def record_schedule(model: nn.Module, step) -> list[tuple[str, str]]:
     """The order of one step's events: a unit's hook entering ("fwd"/"bwd"), its gather
     being issued ("gather"), its gradient computation ("grad", when the gradient of its
     first op's output is computed), and its reduction being issued ("reduce")."""
-    from fullshard.hooks import Phase, hooks_for
     from fullshard.reduce import Reductions
-    from fullshard.hooks import Scheduler
-    from fullshard.unit import ShardState, Unit
+    from fullshard.root import Scheduler
+    from fullshard.unit import Phase, ShardState, Unit
 
     events: list[tuple[str, str]] = []
     saved = Unit.unshard, Reductions.issue, Scheduler.record
@@ -175,12 +174,12 @@ def record_schedule(model: nn.Module, step) -> list[tuple[str, str]]:
             events.append(("gather", self.fqn))
         saved[0](self, adopt)
 
-    def reduce_grads(self):
-        events.append(("reduce", self.unit.fqn))
-        saved[1](self)
+    def reduce_grads(self, *args):
+        events.append(("reduce", self.naming.fqn))
+        saved[1](self, *args)
 
     def record(self, unit):
-        events.append(("fwd" if hooks_for(unit).phase is Phase.FORWARD else "bwd", unit.fqn))
+        events.append(("fwd" if unit.phase is Phase.FORWARD else "bwd", unit.fqn))
         saved[2](self, unit)
 
     handles = [block.ln_1.register_full_backward_pre_hook(lambda m, g, name=f"h.{i}": events.append(("grad", name)))

@@ -10,6 +10,8 @@ from fullshard.collectives import all_gather_ints, all_gather_json, site
 from fullshard.errors import CollectiveError, collective_failed, fail
 from fullshard.mesh import ShardGroup
 from fullshard.options import DEFAULT_TIMEOUT
+from fullshard.tags import KINDS
+from fullshard.units import described
 
 PARAMETERS = site("the comparison of the parameters ranks shard")
 DEBUG_CHECK = site("the debug check")
@@ -97,20 +99,19 @@ def compare_ranks(what: str, described: list[tuple], sums: list[int], device: to
                "shard with fullshard.shard_model(model, ..., sync_module_states=True) to make rank 0's values win.")
 
 
-def check_next_collective(unit, mine: list[int], described) -> None:
-    """Debug checks: every rank of `unit`'s groups is about to run the same collective: `mine` is
-    (unit id, kind: 0 all-gather, 1 reduce-scatter, step, a hash of which parameters have
-    gradients, whether the forward has none); `described(uid)` names a unit. One small
+def check_next_collective(group: ShardGroup, timeout, naming, mine: list[int]) -> None:
+    """Debug checks: every rank of the unit's groups is about to run the same collective: `mine` is
+    (unit id, kind: tags.GATHER or REDUCE, step, a hash of which parameters have gradients,
+    whether the forward has none); `naming` names the unit (shared.Naming). One small
     all-gather per group."""
-    for group in unit.group.process_groups:  # the ranks this unit communicates with
+    for pg in group.process_groups:  # the ranks this unit communicates with
         try:
-            everyone = all_gather_ints(mine, device=unit.group.device, timeout=unit.timeout, group=group,
-                                       what=DEBUG_CHECK)
+            everyone = all_gather_ints(mine, device=group.device, timeout=timeout, group=pg, what=DEBUG_CHECK)
         except CollectiveError as e:
-            raise unit.failed("debug check", e) from None
+            raise naming.failed("debug check", e) from None
         if any(theirs != mine for theirs in everyone):
-            ranks = torch.distributed.get_process_group_ranks(group)
-            seen = "; ".join(f"rank {ranks[r]}: {('all-gather', 'reduce-scatter')[k]} of {described(i)} at step {s}" +
+            ranks = torch.distributed.get_process_group_ranks(pg)
+            seen = "; ".join(f"rank {ranks[r]}: {KINDS[k]} of {described(i)} at step {s}" +
                              (f" (gradient mask {m:#x})" if k else "") + (" in a forward without gradients" if e else "")
                              for r, (i, k, s, m, e) in enumerate(everyone))
             raise fail(f"ranks disagree on the next collective ({seen})",

@@ -25,7 +25,7 @@ class FullShardError(ValueError):
 
 class CollectiveError(RuntimeError):
     """A collective that failed or did not finish within its timeout (runtime.py raises it; a
-    unit turns it into its FullShardError through runtime.Failing)."""
+    unit turns it into its FullShardError, shared.Naming.failed)."""
 
 
 class EveryRankError(FullShardError):

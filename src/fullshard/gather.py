@@ -37,11 +37,11 @@ from typing import Callable
 import torch
 
 from fullshard import runtime
-from fullshard.errors import fail
+from fullshard.errors import CollectiveError, fail
 from fullshard.options import UnitOptions
 from fullshard.param import ShardedParam, local_values
 from fullshard.routes import BufferPool, Flight, Route, route_for
-from fullshard.runtime import Failing
+from fullshard.tags import GATHER
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class GatherPlan:
         route = self.routes.get(numel)
         if route is None:
             route = self.routes[numel] = route_for(self.group, self.device, numel, self.wire_dtype, uid=self.uid,
-                                                   kind=0)
+                                                   kind=GATHER)
         return route
 
     def outputs(self) -> list[torch.Tensor]:
@@ -333,6 +333,8 @@ def gather_state(unit, params: list[ShardedParam], shards: list[torch.Tensor], d
                  what: str) -> list[torch.Tensor]:
     """gather_values over a unit's shard group, within its timeout; its error if it fails."""
     collective = f"all-gather (of {what})"
-    with Failing(unit, collective):
-        return gather_values(params, shards, dtype, unit.group.shard_pg, unit.compute_device, unit.uid, unit.pool,
-                             unit.what(collective), unit.timeout)
+    try:
+        return gather_values(params, shards, dtype, unit.group.shard_pg, unit.compute_device, unit.uid,
+                             unit.shared.pool, unit.naming.what(collective), unit.timeout)
+    except CollectiveError as e:
+        raise unit.naming.failed(collective, e) from None

@@ -66,7 +66,6 @@ import functools
 import gc
 from collections import UserDict
 from collections.abc import Mapping, MutableMapping
-from enum import Enum, auto
 from typing import Any, Callable, Iterator
 
 import torch
@@ -79,7 +78,7 @@ from fullshard.errors import CollectiveError, collective_failed, fail
 from fullshard.options import Schedule
 from fullshard.param import OwnedParam
 from fullshard.root import Root
-from fullshard.unit import ShardState, Unit
+from fullshard.unit import Phase, Unit
 
 HOOKS_ATTR = "_fullshard_hooks"
 
@@ -208,12 +207,6 @@ def units_of(model: nn.Module, what: str) -> list[Unit]:
     return units
 
 
-class Phase(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD = auto()
-
-
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     """Every tensor inside nested tuples, lists, mappings and dataclasses (model outputs)."""
     if isinstance(obj, torch.Tensor):
@@ -299,86 +292,15 @@ class PostBackward(torch.autograd.Function):
 # (finish_backward), as a unit used twice is.
 
 
-class Scheduler:
-    """The forward order (recorded each step, reversed for backward), the limiter and the
-    reduction in flight. Orders are lists with a position map, so each lookup is O(1)."""
-
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
-        self.order: list[Unit] = []  # this step's forward order, first calls only
-        self.position: dict[Unit, int] = {}  # index in `order`
-        self.last_order: list[Unit] = []
-        self.last_position: dict[Unit, int] = {}
-        self.ahead: dict[Unit, None] = {}  # gathered ahead of use, not used yet (insertion-ordered)
-        self.reducing: Unit | None = None  # the unit whose reduction is in flight
-
-    def start_forward(self) -> None:
-        if self.order:
-            self.last_order, self.last_position = self.order, self.position
-            self.order, self.position = [], {}
-
-    def record(self, unit: Unit) -> None:
-        """`unit` starts its forward or backward: it is no longer ahead of use."""
-        self.ahead.pop(unit, None)
-        if unit not in self.position:
-            self.position[unit] = len(self.order)
-            self.order.append(unit)
-
-    def prefetch(self, targets: list[Unit], *, limited: bool) -> None:
-        limit = self.schedule.limit if limited else None
-        for target in targets:
-            if limit is not None and len(self.ahead) >= limit:
-                return
-            if target.state is ShardState.SHARDED:
-                target.unshard(adopt=False)  # the root scanned for replaced parameters, Note [replaced parameters]
-                self.ahead[target] = None
-
-    def prefetch_forward(self, unit: Unit, targets: list[Unit] | None) -> None:
-        """Before `unit`'s forward: its explicit targets, or those after it in the last forward."""
-        if targets is not None:
-            self.prefetch(targets, limited=False)
-        elif self.schedule.forward_prefetch and unit in self.last_position:
-            self.prefetch(self.last_order[self.last_position[unit] + 1 :], limited=True)
-
-    def prefetch_backward(self, unit: Unit, targets: list[Unit] | None) -> None:
-        """Around `unit`'s backward: its explicit targets, or those before it in this forward, nearest first."""
-        if targets is not None:
-            self.prefetch(targets, limited=False)
-        elif unit in self.position:
-            self.prefetch(self.order[self.position[unit] - 1 :: -1] if self.position[unit] else [], limited=True)
-
-    def ran_last(self, unit: Unit) -> bool:
-        """Whether `unit` was the last to start its forward in the previous step."""
-        return bool(self.last_order) and self.last_order[-1] is unit
-
-    def drop_unused_prefetches(self) -> None:
-        """End of forward: units prefetched but never run (the order changed) are freed."""
-        for unit in self.ahead:
-            unit.reshard()
-        self.ahead.clear()
-
-    def reduce_issued(self, unit: Unit) -> None:
-        """`unit`'s reduction is in flight: wait for the one issued before it."""
-        if self.reducing is not None and self.reducing is not unit:
-            self.reducing.grads.finish()
-        self.reducing = unit
-
-    def end_backward(self) -> None:
-        self.drop_unused_prefetches()
-        self.reducing = None
-
-
 class UnitHooks:
-    """The hooks of one unit (Note [backward triggers]); at lazy init the outermost unit's make
-    the Root every unit's hooks under it share."""
+    """The hooks of one unit (Note [backward triggers]): they turn module and autograd events
+    into calls of the unit and of its Root, which the outermost unit's hooks make at lazy init."""
 
     def __init__(self, unit: Unit, schedule: Schedule) -> None:
         self.unit = unit
         self.schedule = schedule  # the root's applies to every unit under it (its Scheduler's)
         self.root: Root | None = None
         self.is_root = False
-        self.phase = Phase.IDLE
-        self.needs_reduce = False
         self.forward_targets: list[Unit] | None = None  # explicit prefetch lists (set_prefetch_targets)
         self.backward_targets: list[Unit] | None = None
         self.shown: bool | None = None  # inside full_params: whether this rank sees the full parameters (show)
@@ -392,14 +314,13 @@ class UnitHooks:
         """On the first forward, the outermost unit becomes the root of every unit below it."""
         if self.root is None:
             names = {module: name for name, module in self.unit.module.named_modules()}
-            units = list(dict.fromkeys(hooks for module in names for hooks in hooks_on(module)))
-            root = Root(units, Scheduler(self.schedule))
-            fqns = [names[hooks.unit.module] or "<root>" for hooks in units]
-            model = f"model {self.unit.uid} ({self.unit.class_name})"  # Note [named hangs]
-            for index, hooks in enumerate(units):
-                hooks.root = root
-                hooks.is_root = hooks is self
-                hooks.unit.join(fqns[index], index, fqns, model, root.pool, root.meter)
+            hooks = list(dict.fromkeys(h for module in names for h in hooks_on(module)))
+            fqns = [names[h.unit.module] or "<root>" for h in hooks]
+            root = Root([h.unit for h in hooks], self.schedule, f"model {self.unit.uid} ({self.unit.class_name})",
+                        fqns)  # Note [named hangs]
+            for h in hooks:
+                h.root = root
+                h.is_root = h is self
         return self.root
 
     def set_prefetch_targets(self, *, forward: list[Unit] | None = None, backward: list[Unit] | None = None) -> None:
@@ -425,17 +346,17 @@ class UnitHooks:
                            "Run the model only on rank 0 inside that context (e.g. `if rank == 0: evaluate()`).")
             return args, kwargs
         args, kwargs = cast_floats((args, kwargs), self.unit.options.input_dtype)
-        if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
+        if self.unit.phase is Phase.BACKWARD:  # Note [recomputed forward]
             self.unit.wait_unshard(adopt=False)
             return args, kwargs
-        if self.phase is Phase.FORWARD and id(module) in self.to_run:  # Note [module groups]
+        if self.unit.phase is Phase.FORWARD and id(module) in self.to_run:  # Note [module groups]
             return args, kwargs
         self.to_run = set(self.members)
         if self.is_root:
             root.recover()
             root.start_forward()
             root.check_first_forward(self.unit)
-        self.phase = Phase.FORWARD
+        self.unit.phase = Phase.FORWARD
         scheduler = root.scheduler
         scheduler.record(self.unit)
         self.unit.unshard(adopt=False)  # the root's start_forward scanned, Note [replaced parameters]
@@ -443,7 +364,7 @@ class UnitHooks:
         self.unit.wait_unshard(adopt=False)
         if not torch.is_grad_enabled():
             return args, kwargs
-        self.needs_reduce = True
+        self.unit.expects_post_backward = True
         return self.attach_post_backward(args, kwargs)
 
     def attach_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -466,14 +387,14 @@ class UnitHooks:
         if self.shown is not None:
             return output
         output = cast_floats(output, self.unit.options.output_dtype, output=True)
-        if self.phase is Phase.BACKWARD:  # Note [recomputed forward]
+        if self.unit.phase is Phase.BACKWARD:  # Note [recomputed forward]
             return output
         self.to_run.discard(id(module))
         if self.to_run:  # Note [module groups]: members still to run
             if torch.is_grad_enabled():
                 self.hook_backward(output)
             return output
-        self.phase = Phase.IDLE
+        self.unit.phase = Phase.IDLE
         if self.is_root:
             self.root.scheduler.drop_unused_prefetches()
         if not torch.is_grad_enabled():
@@ -496,8 +417,8 @@ class UnitHooks:
     def pre_backward(self, grad: torch.Tensor) -> None:
         if not self.root.callback_queued:  # by the first unit whose backward starts
             self.root.queue_final_callback()
-        if self.phase is not Phase.BACKWARD:
-            self.phase = Phase.BACKWARD
+        if self.unit.phase is not Phase.BACKWARD:
+            self.unit.phase = Phase.BACKWARD
             scheduler, unshard = self.root.scheduler, self.unit.switches.unshard_in_backward
             scheduler.record(self.unit)
             if unshard:
@@ -512,19 +433,4 @@ class UnitHooks:
         if scheduler.schedule.prefetch_after_backward:
             scheduler.prefetch_backward(self.unit, self.backward_targets)
         self.unit.post_backward()
-        scheduler.reduce_issued(self.unit)
-        self.needs_reduce = False
-        self.phase = Phase.IDLE
-
-    def finish_backward(self) -> None:
-        if self.needs_reduce or self.unit.grads.has_full_grads():
-            self.unit.post_backward()
-        elif self.unit.switches.reshard_after_backward:
-            self.unit.reshard()
-        self.needs_reduce = False
-        self.phase = Phase.IDLE
-
-    def reset(self) -> None:
-        self.unit.reset()
-        self.needs_reduce = False
-        self.phase = Phase.IDLE
+        self.root.reduce_issued(self.unit)

@@ -19,7 +19,7 @@ from fullshard.module import FSDPModule
 from fullshard.options import Schedule, UnitOptions, after_forward
 from fullshard.param import OwnedParam, local_values
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fullshard.tags import next_uid, unit_of
+from fullshard.units import next_uid, unit_of
 from fullshard.unit import Unit
 
 

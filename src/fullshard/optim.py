@@ -58,7 +58,8 @@ from fullshard import runtime
 from fullshard.collectives import Caller, all_gather_ints, exchange_bytes, full_tensor, site
 from fullshard.errors import CollectiveError, collective_failed, fail
 from fullshard.param import ShardedParam, shard_rows
-from fullshard.tags import UNITS, p2p_tag
+from fullshard.tags import p2p_tag
+from fullshard.units import unit_of
 
 __all__ = ["MatrixOptimizer", "Muon", "muon_groups"]
 
@@ -98,13 +99,12 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_of(p: torch.Tensor) -> tuple[ShardedParam, object, int] | None:
-    """The fullshard bookkeeping of a parameter: (its ShardedParam, its unit, its place there),
-    found among the live units (a scan: once per parameter)."""
-    for unit in list(UNITS.values()):
-        for index, sp in enumerate(unit.params):
-            if sp.sharded is p:
-                return sp, unit, index
-    return None
+    """The fullshard bookkeeping of a parameter: (its ShardedParam, its unit, its place there)."""
+    unit = unit_of(p)
+    if unit is None:
+        return None
+    index = next(i for i, sp in enumerate(unit.params) if sp.sharded is p)
+    return unit.params[index], unit, index
 
 
 def name_of(p: torch.Tensor) -> str:

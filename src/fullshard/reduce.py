@@ -61,9 +61,10 @@ from fullshard.checks import check_next_collective
 from fullshard.collectives import HEADERS, all_gather_ints, redistribute
 from fullshard.mesh import ShardGroup
 from fullshard.param import ShardedParam, local_values
+from fullshard.errors import CollectiveError
 from fullshard.routes import BufferPool, Flight, all_reduce, check_headers, route_for
-from fullshard.runtime import Failing, labelled
-from fullshard.tags import described, header
+from fullshard.runtime import labelled
+from fullshard.tags import ALL_REDUCE, REDUCE, header
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -150,7 +151,7 @@ class ReducePlan:
         cls = next((cls for applies, cls in ROW_FORMATS if applies(options)), Exact)
         self.format = cls(dtype, [*self.numels, len(params)], options, runtime.active.host_memory(device))
         shard_pg, replicate_pg = group.shard_pg, group.replicate_pg
-        self.route = route_for(shard_pg, device, self.format.wire_numel, self.format.wire_dtype, uid=uid, kind=1,
+        self.route = route_for(shard_pg, device, self.format.wire_numel, self.format.wire_dtype, uid=uid, kind=REDUCE,
                                native=self.format.native)
         self.sums_here = self.route.name != "native" and shard_pg is not None  # rows arrive to be summed here
         backend = "gloo" if shard_pg is None and replicate_pg is None or self.sums_here else \
@@ -172,7 +173,7 @@ class ReducePlan:
             self.scale_first, self.scale_on_overflow, self.replica_scale = shard_scale * replica_scale, 1.0, 1.0
         else:
             self.scale_first, self.scale_on_overflow, self.replica_scale = 1.0, 1.0, replica_scale
-        self.replicate_header = header(uid, 2, self.row_numel * dtype.itemsize) if checks_replicas(
+        self.replicate_header = header(uid, ALL_REDUCE, self.row_numel * dtype.itemsize) if checks_replicas(
             replicate_pg, device) else None  # Note [named hangs]
         self.grad_specs = [(p, p.spec_for(p.sharded.dtype)) for p in params]  # the sharded gradients' DTensors
 
@@ -301,14 +302,18 @@ class Reductions:
     """A unit's gradient side: its reduce plans (one set per set of trainable parameters), the
     reductions in flight, the rows waiting to land (Note [landing]), the all-reduce owed across
     replicas, whether every reduced gradient was finite, and the full gradient bytes on the
-    memory meter. It reads the unit's parameters, options and switches as they are now."""
+    memory meter. Made with what it reads (the unit's parameters, layout and group) and given,
+    per call, the switches, options and device that hold for that call."""
 
-    def __init__(self, unit) -> None:
-        self.unit = unit  # a Unit (unit.py, the layer above)
+    def __init__(self, params: list[ShardedParam], layout, group: ShardGroup, uid: int, counts: dict,
+                 shared, naming) -> None:
+        self.params, self.layout, self.group, self.uid = params, layout, group, uid
+        self.counts = counts  # the unit's counters (stats.Stats)
+        self.shared, self.naming = shared, naming  # shared.Shared (the root's after lazy init), shared.Naming
         self.plans: dict[tuple[bool, ...], list[ReducePlan]] = {}
-        self.in_flight: list[tuple[ReducePlan, Reducing]] = []  # one per reduce dtype
-        self.unlanded: list[tuple[ReducePlan, torch.Tensor, torch.Tensor]] = []  # Note [landing]
-        self.hooked: list[tuple[ReducePlan, Reducing, torch.Tensor, object]] = []  # Note [waited hooks]
+        self.in_flight: list[tuple[ReducePlan, Reducing, object, object]] = []  # one per reduce dtype, with its switches and options
+        self.unlanded: list[tuple[ReducePlan, torch.Tensor, torch.Tensor, timedelta]] = []  # Note [landing]
+        self.hooked: list[tuple[ReducePlan, Reducing, torch.Tensor, object, object, object]] = []  # Note [waited hooks]
         self.finite: torch.Tensor | None = None  # 0-d bool on the device: every reduced gradient so far was finite
         self.owes_all_reduce = False  # reduced within the group only (all_reduce_grads off)
         self.reduced = False  # a reduction finished in this backward (the root settles the all-reduce once)
@@ -317,154 +322,156 @@ class Reductions:
     def reset(self) -> None:
         """Drop the backward in flight (it raised): nothing pending, no full gradient."""
         self.finish()
-        for *_, pending in self.hooked:  # the hook's communication still writes into its row
-            pending.wait()
+        for hooked in self.hooked:  # the hook's communication still writes into its row
+            hooked[3].wait()
         self.hooked.clear()
         self.unlanded.clear()
         self.finite = None
         self.reduced = False
-        for p in self.unit.params:
+        for p in self.params:
             p.drop_full_grad()
         self.count_full_grads(0)
-
-    def clear_finite(self) -> None:
-        """The non-finite flag was read (the root's settle_nonfinite)."""
-        self.finite = None
 
     def count_full_grads(self, held: int | None = None) -> None:
         """Bring the meter's full gradient bytes up to what this unit holds now (`held` when the caller knows)."""
         if held is None:
-            held = full_grad_bytes(self.unit.params)
-        self.unit.metered(2, held - self.counted_grad_bytes)
+            held = full_grad_bytes(self.params)
+        self.shared.metered(2, held - self.counted_grad_bytes)
         self.counted_grad_bytes = held
 
     def has_full_grads(self) -> bool:
-        for p in self.unit.params:  # a loop, not any(): once per unit per backward, kept free of calls
+        for p in self.params:  # a loop, not any(): once per unit per backward, kept free of calls
             if p.unsharded.grad is not None or p.accumulated is not None:
                 return True
         return False
 
-    def hold(self) -> None:
+    def hold(self, timeout: timedelta) -> None:
         """A backward without gradient sync: the full gradients keep accumulating, in the reduce dtype."""
-        with Failing(self.unit, "sum of tensor-parallel gradients"):
-            for p, dtype in zip(self.unit.params, self.unit.layout.reduce_dtypes):
+        try:
+            for p, dtype in zip(self.params, self.layout.reduce_dtypes):
                 hold_grad(p, dtype)
+        except CollectiveError as e:
+            raise self.naming.failed("sum of tensor-parallel gradients", e) from None
         self.count_full_grads()
 
-    def plans_for(self, trainable: tuple[bool, ...]) -> list[ReducePlan]:
+    def plans_for(self, trainable: tuple[bool, ...], switches, options, device: torch.device) -> list[ReducePlan]:
         """The reduce plans of these trainable parameters: one per reduce dtype (Note [bytes on the wire])."""
         plans = self.plans.get(trainable)
         if plans is None:
-            layout, switches = self.unit.layout, self.unit.switches
-            params = [(p, dtype) for p, dtype, on in zip(self.unit.params, layout.reduce_dtypes, trainable) if on]
+            layout = self.layout
+            params = [(p, dtype) for p, dtype, on in zip(self.params, layout.reduce_dtypes, trainable) if on]
             one = len(layout.reduce_groups) == 1
             plans = self.plans[trainable] = [
-                ReducePlan([p for p, d in params if one or d == dtype], dtype, self.unit.group, self.unit.compute_device,
-                           self.unit.uid, divide_by=switches.divide_factor or self.unit.group.dp_size,
-                           force_sum=switches.force_sum, options=self.unit.options)
+                ReducePlan([p for p, d in params if one or d == dtype], dtype, self.group, device, self.uid,
+                           divide_by=switches.divide_factor or self.group.dp_size, force_sum=switches.force_sum,
+                           options=options)
                 for dtype in layout.reduce_groups if any(one or d == dtype for _, d in params)]
         return plans
 
-    def issue(self) -> None:
+    def issue(self, switches, options, device: torch.device) -> None:
         """Start averaging the full gradients over the data-parallel ranks (`finish` lands them)."""
         self.finish()  # a unit reduced twice in one backward (used twice in forward)
-        trainable = tuple([p.sharded.requires_grad for p in self.unit.params])
+        trainable = tuple([p.sharded.requires_grad for p in self.params])
         if True not in trainable:
             return
         self.count_full_grads()
-        with Failing(self.unit, "sum of tensor-parallel gradients"):  # DTensor's, for a TP partial sum
-            full_grads = {p: take_full_grad(p) for p, on in zip(self.unit.params, trainable) if on}
-        unit = self.unit
-        if unit.switches.debug:  # every rank about to reduce this unit, with gradients for the same parameters
+        naming, timeout = self.naming, switches.timeout
+        try:  # DTensor's sum, for a TP partial sum
+            full_grads = {p: take_full_grad(p) for p, on in zip(self.params, trainable) if on}
+        except CollectiveError as e:
+            raise naming.failed("sum of tensor-parallel gradients", e) from None
+        if switches.debug:  # every rank about to reduce this unit, with gradients for the same parameters
             mask = sum(1 << i for i, g in enumerate(full_grads.values()) if g is not None) % (1 << 62)
-            check_next_collective(unit, [unit.uid, 1, unit.step, mask, unit.evaluating], described)
-        replicate = self.unit.switches.all_reduce_grads and not self.owes_all_reduce
-        for plan in self.plans_for(trainable):
-            with labelled(f"fullshard::reduce_scatter {self.unit.fqn}"):
-                with Failing(self.unit, "reduce-scatter"):  # no_shard on gloo: its all-reduce checks the replicas' headers at once
-                    reducing = plan.issue([full_grads.pop(p) for p in plan.params], self.unit.pool, replicate,
-                                          self.unit.what("reduce-scatter"), self.unit.timeout)
-            self.in_flight.append((plan, reducing))
-        self.count_full_grads(full_grad_bytes(self.unit.params, frozen_only=True))
+            check_next_collective(self.group, timeout, naming,
+                                  [self.uid, REDUCE, self.shared.step, mask, self.shared.evaluating])
+        replicate = switches.all_reduce_grads and not self.owes_all_reduce
+        what = naming.what("reduce-scatter")
+        for plan in self.plans_for(trainable, switches, options, device):
+            with labelled(f"fullshard::reduce_scatter {naming.fqn}"):
+                try:  # no_shard on gloo: its all-reduce checks the replicas' headers at once
+                    reducing = plan.issue([full_grads.pop(p) for p in plan.params], self.shared.pool, replicate,
+                                          what, timeout)
+                except CollectiveError as e:
+                    raise naming.failed("reduce-scatter", e) from None
+            self.in_flight.append((plan, reducing, switches, options))
+        self.count_full_grads(full_grad_bytes(self.params, frozen_only=True))
 
     def finish(self) -> None:
         """Wait for the reductions in flight and land them on the shards' gradients, or queue them
         for the end of backward (Note [landing]). A parameter no rank computed a gradient for
         keeps the gradient it had."""
         taken, self.in_flight = self.in_flight, []
-        for plan, reducing in taken:
-            self.land_reduced(plan, reducing)
-
-    def land_reduced(self, plan: ReducePlan, reducing: Reducing) -> None:
-        """`finish` for one reduce plan's row."""
-        start = time.perf_counter()
-        with labelled(f"fullshard::wait reduce {self.unit.fqn}"):
-            with Failing(self.unit, "reduce-scatter"):
-                row = plan.finish(reducing, self.unit.pool)  # [grad_shard_numel + n_flags], on the compute stream
-        counts = self.unit.counts
-        counts["wait_s"] += time.perf_counter() - start
-        flags_at = row.numel() - len(plan.params)
-        if self.unit.switches.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
-            pending = self.unit.switches.all_reduce_hook(row[:flags_at])
-            if callable(getattr(pending, "wait", None)):  # Note [waited hooks]
-                self.hooked.append((plan, reducing, row, pending))
-                return
-        self.land_row(plan, reducing, row)
+        for plan, reducing, switches, options in taken:
+            start = time.perf_counter()
+            with labelled(f"fullshard::wait reduce {self.naming.fqn}"):
+                try:
+                    row = plan.finish(reducing, self.shared.pool)  # [grad_shard_numel + n_flags], on the compute stream
+                except CollectiveError as e:
+                    raise self.naming.failed("reduce-scatter", e) from None
+            self.counts["wait_s"] += time.perf_counter() - start
+            if switches.all_reduce_hook is not None:  # the user's, on the gradients (not the has-gradient flags)
+                pending = switches.all_reduce_hook(row[: row.numel() - len(plan.params)])
+                if callable(getattr(pending, "wait", None)):  # Note [waited hooks]
+                    self.hooked.append((plan, reducing, row, pending, switches, options))
+                    continue
+            self.land_row(plan, reducing, row, switches, options)
 
     def land_hooked(self) -> None:
         """Land the rows whose all-reduce hook is still communicating (Note [waited hooks])."""
         hooked, self.hooked = self.hooked, []
-        for plan, reducing, row, pending in hooked:
+        for plan, reducing, row, pending, switches, options in hooked:
             pending.wait()
-            self.land_row(plan, reducing, row)
+            self.land_row(plan, reducing, row, switches, options)
 
-    def land_row(self, plan: ReducePlan, reducing: Reducing, row: torch.Tensor) -> None:
-        """The rest of `land_reduced`, once the row holds its final values."""
+    def land_row(self, plan: ReducePlan, reducing: Reducing, row: torch.Tensor, switches, options) -> None:
+        """The rest of `finish` for one row, once it holds its final values."""
         flags_at = row.numel() - len(plan.params)
-        counts = self.unit.counts
-        if self.unit.switches.nonfinite is not None:  # on the device: the root reads every unit's at once
+        counts = self.counts
+        if switches.nonfinite is not None:  # on the device: the root reads every unit's at once
             finite = torch.isfinite(row.sum(dtype=torch.float64))  # one pass; a float64 sum cannot overflow
             self.finite = finite if self.finite is None else self.finite & finite
         for kind, nbytes in reducing.traffic:
             counts[kind + "s"] += 1
             counts[kind + "_bytes"] += nbytes
         self.reduced = True
-        if self.unit.group.replicate_pg is not None and not self.unit.switches.all_reduce_grads:
+        if self.group.replicate_pg is not None and not switches.all_reduce_grads:
             self.owes_all_reduce = True
         rt = runtime.active
-        if self.unit.options.offload:
+        if options.offload:
             masters = {p.sharded.dtype for p in plan.params}  # land on the host in the masters' dtype if one
             row = row.to(*masters) if len(masters) == 1 and row.dtype not in masters else row
-            host = rt.to_host(row, pin=self.unit.options.pin_memory)  # [grad_shard_numel + n_flags]
-            self.unlanded.append((plan, host[flags_at:], host))
+            host = rt.to_host(row, pin=options.pin_memory)  # [grad_shard_numel + n_flags]
+            self.unlanded.append((plan, host[flags_at:], host, switches.timeout))
         elif not reducing.all_here:
-            self.unlanded.append((plan, rt.to_host(row[flags_at:], pin=True), row))
+            self.unlanded.append((plan, rt.to_host(row[flags_at:], pin=True), row, switches.timeout))
         else:
             plan.land(row, [True] * len(plan.params))
 
     def land_queued(self) -> None:
         """Land the rows queued in `unlanded`, once the host has waited for the GPU (Note [landing])."""
-        for plan, flags, row in self.unlanded:
-            plan.land(row, runtime.active.read_on_host(flags, timeout=self.unit.timeout,
-                                                       what=self.unit.what("reduce-scatter's has-gradient flags")))
+        for plan, flags, row, timeout in self.unlanded:
+            plan.land(row, runtime.active.read_on_host(flags, timeout=timeout,
+                                                       what=self.naming.what("reduce-scatter's has-gradient flags")))
         self.unlanded.clear()
 
-    def settle_all_reduce(self) -> bool:
+    def settle_all_reduce(self, all_reduce_grads: bool, timeout: timedelta, device: torch.device) -> bool:
         """With the all-reduce across replicas off, owe it; once back on, pay it on the
         gradients accumulated since (all of them in one all-reduce). Runs at the end of a
         backward that reduced, after landing, in unit order on every rank. Returns whether
         it copied gradients back to host memory (CPU offload): the host must wait for them
         (the root waits once for every unit, Note [host syncs])."""
         reduced, self.reduced = self.reduced, False
-        if not (reduced and self.owes_all_reduce and self.unit.switches.all_reduce_grads):
+        if not (reduced and self.owes_all_reduce and all_reduce_grads):
             return False
         self.owes_all_reduce = False
         collective = "all-reduce across replicas"
-        with Failing(self.unit, collective):
-            nbytes, back = owed_all_reduce([p for p in self.unit.params if p.sharded.requires_grad], self.unit.group,
-                                           self.unit.compute_device, self.unit.uid, self.unit.what(collective), self.unit.timeout)
-        self.unit.counts["all_reduces"] += 1
-        self.unit.counts["all_reduce_bytes"] += nbytes
+        try:
+            nbytes, back = owed_all_reduce([p for p in self.params if p.sharded.requires_grad], self.group, device,
+                                           self.uid, self.naming.what(collective), timeout)
+        except CollectiveError as e:
+            raise self.naming.failed(collective, e) from None
+        self.counts["all_reduces"] += 1
+        self.counts["all_reduce_bytes"] += nbytes
         return back
 
 
@@ -487,7 +494,7 @@ def owed_all_reduce(params: list[ShardedParam], group: ShardGroup, device: torch
         tensors = [t for t in moved if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
         if checks_replicas(group_pg, device):  # Note [named hangs]
-            check_replicas(group_pg, header(uid, 2, flat.nbytes), timeout)
+            check_replicas(group_pg, header(uid, ALL_REDUCE, flat.nbytes), timeout)
         works = all_reduce(flat, dist.ReduceOp.SUM, group_pg)
         rt.wait_works(works, timeout=timeout, what=what, on_device=not rt.host_memory(device))
         torch.split_with_sizes_copy(flat, [t.numel() for t in tensors], out=[t.view(-1) for t in tensors])

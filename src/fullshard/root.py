@@ -1,6 +1,8 @@
-"""Root: the units under one root, as one step runs them: the start of each forward, the final
-callback at the end of backward (Note [backward triggers]), and what every unit under the root
-shares (its buffers, its memory meter, its statistics, the scheduler hooks.py makes for it)."""
+"""Root: the units under one root, as one step runs them: the start of each forward, the
+prefetch order and the reduction in flight (Scheduler), the final callback at the end of
+backward (Note [backward triggers]), and what every unit under the root shares (shared.Shared:
+its buffers, its memory meter, its step; its statistics). It asks its units through their
+methods; nothing below calls back into it."""
 
 from __future__ import annotations
 
@@ -10,41 +12,115 @@ from torch.autograd import Variable
 
 from fullshard import runtime
 from fullshard.collectives import all_gather_ints, site
-from fullshard.errors import fail
-from fullshard.routes import BufferPool
-from fullshard.runtime import Failing, labelled
-from fullshard.stats import Stats, new_meter
-from fullshard.tags import described
+from fullshard.errors import CollectiveError, fail
+from fullshard.options import Schedule
+from fullshard.runtime import labelled
+from fullshard.shared import Shared
+from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
+from fullshard.units import described
 
 FIRST_FORWARD = site("the check of the first forward")
 NONFINITE = site("the non-finite check")
+
+
+class Scheduler:
+    """The forward order (recorded each step, reversed for backward), the limiter and the
+    reduction in flight. Orders are lists with a position map, so each lookup is O(1)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.order: list[Unit] = []  # this step's forward order, first calls only
+        self.position: dict[Unit, int] = {}  # index in `order`
+        self.last_order: list[Unit] = []
+        self.last_position: dict[Unit, int] = {}
+        self.ahead: dict[Unit, None] = {}  # gathered ahead of use, not used yet (insertion-ordered)
+        self.reducing: Unit | None = None  # the unit whose reduction is in flight
+
+    def start_forward(self) -> None:
+        if self.order:
+            self.last_order, self.last_position = self.order, self.position
+            self.order, self.position = [], {}
+
+    def record(self, unit: Unit) -> None:
+        """`unit` starts its forward or backward: it is no longer ahead of use."""
+        self.ahead.pop(unit, None)
+        if unit not in self.position:
+            self.position[unit] = len(self.order)
+            self.order.append(unit)
+
+    def prefetch(self, targets: list[Unit], *, limited: bool) -> None:
+        limit = self.schedule.limit if limited else None
+        for target in targets:
+            if limit is not None and len(self.ahead) >= limit:
+                return
+            if target.state is ShardState.SHARDED:
+                target.unshard(adopt=False)  # the root scanned for replaced parameters, Note [replaced parameters]
+                self.ahead[target] = None
+
+    def prefetch_forward(self, unit: Unit, targets: list[Unit] | None) -> None:
+        """Before `unit`'s forward: its explicit targets, or those after it in the last forward."""
+        if targets is not None:
+            self.prefetch(targets, limited=False)
+        elif self.schedule.forward_prefetch and unit in self.last_position:
+            self.prefetch(self.last_order[self.last_position[unit] + 1 :], limited=True)
+
+    def prefetch_backward(self, unit: Unit, targets: list[Unit] | None) -> None:
+        """Around `unit`'s backward: its explicit targets, or those before it in this forward, nearest first."""
+        if targets is not None:
+            self.prefetch(targets, limited=False)
+        elif unit in self.position:
+            self.prefetch(self.order[self.position[unit] - 1 :: -1] if self.position[unit] else [], limited=True)
+
+    def ran_last(self, unit: Unit) -> bool:
+        """Whether `unit` was the last to start its forward in the previous step."""
+        return bool(self.last_order) and self.last_order[-1] is unit
+
+    def drop_unused_prefetches(self) -> None:
+        """End of forward: units prefetched but never run (the order changed) are freed."""
+        for unit in self.ahead:
+            unit.reshard()
+        self.ahead.clear()
+
+    def reduce_issued(self, unit: Unit) -> None:
+        """`unit`'s reduction is in flight: wait for the one issued before it."""
+        if self.reducing is not None and self.reducing is not unit:
+            self.reducing.finish_reductions()
+        self.reducing = unit
+
+    def end_backward(self) -> None:
+        self.drop_unused_prefetches()
+        self.reducing = None
 
 
 class Root:
     """What the units under one root share (the scheduler, buffers, stats) and what happens once
     per step for all of them: the start of forward, the final callback of backward."""
 
-    def __init__(self, units: list, scheduler) -> None:
-        self.units = units  # every unit's UnitHooks (hooks.py, which makes the root), the root's first
-        self.scheduler = scheduler  # hooks.Scheduler: the prefetch order and the reduction in flight
-        self.pool = BufferPool()
-        self.meter = new_meter()  # full parameter and gradient bytes alive, and their peaks (Unit.metered)
+    def __init__(self, units: list[Unit], schedule: Schedule, model: str, names: list[str]) -> None:
+        self.units = units  # every unit under the root, the root's first
+        self.scheduler = Scheduler(schedule)
+        self.shared = Shared(model, names)
         self.stats = Stats(self)
         self.callback_queued = False
         self.step = 0  # backward passes finished
         self.steps_counted = 0  # likewise, for Stats (which a reset rebases)
         self.skipped = 0  # steps whose gradients were dropped for being non-finite
         self.checked_first_forward = False
+        for index, (unit, fqn) in enumerate(zip(units, names)):
+            unit.join(fqn, index, self.shared)
+
+    @property
+    def meter(self) -> list[int]:
+        return self.shared.meter
 
     def start_forward(self) -> None:
         """The root's forward begins: the step counts on, and parameters assigned in the shards'
         place since the last forward are taken (Note [replaced parameters])."""
         self.scheduler.start_forward()
-        evaluating = not torch.is_grad_enabled()
-        for hooks in self.units:
-            unit = hooks.unit
-            unit.begin_forward(self.step + 1, evaluating)
+        self.shared.step, self.shared.evaluating = self.step + 1, not torch.is_grad_enabled()
+        for unit in self.units:
+            unit.drop_small()  # a copy a forward without backward left
             if unit.state is not ShardState.FULL:
                 unit.adopt_replaced()
 
@@ -59,9 +135,11 @@ class Root:
         # the shard group only: forward communicates nowhere else (no_shard's forward, evaluation
         # on one rank included, needs no peer; its reductions check their headers)
         for group in [root.group.shard_pg] if root.group.shard_pg is not None else []:
-            with Failing(root, "check of the first forward"):
+            try:
                 everyone = all_gather_ints([torch.is_grad_enabled(), root.uid], device=root.group.device,
                                            timeout=root.timeout, group=group, what=FIRST_FORWARD)
+            except CollectiveError as e:
+                raise root.failed("check of the first forward", e) from None
             if len(set(map(tuple, everyone))) > 1:
                 ranks = dist.get_process_group_ranks(group)
                 seen = "; ".join(f"rank {ranks[r]}: {described(uid, whole_model=True)}, "
@@ -80,41 +158,47 @@ class Root:
     def queue_final_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
-            for hooks in self.units:
-                hooks.unit.begin_backward()
+            self.shared.evaluating = False
             Variable._execution_engine.queue_callback(self.final_callback)
+
+    def reduce_issued(self, unit: Unit) -> None:
+        """`unit`'s PostBackward issued its reduction: the one issued before it is waited for."""
+        self.scheduler.reduce_issued(unit)
 
     def final_callback(self) -> None:
         """End of backward: reduce what no PostBackward reduced, reshard every unit, and land
         the gradients that waited for the host (Note [landing])."""
+        units = self.units
         with labelled("fullshard::final_callback"):
-            for hooks in reversed(self.units):  # issue every reduction left, then wait: they overlap
-                hooks.finish_backward()
-            for hooks in reversed(self.units):
-                hooks.unit.grads.finish()
-            for hooks in reversed(self.units):  # the all-reduce hooks' communication (Note [waited hooks])
-                hooks.unit.grads.land_hooked()
-            reduced = any(hooks.unit.grads.reduced for hooks in self.units)  # alike on every rank: reductions are collectives
-            if any(hooks.unit.grads.unlanded for hooks in self.units):  # the one host sync, Note [host syncs]
+            for unit in reversed(units):  # issue every reduction left, then wait: they overlap
+                unit.finish_backward()
+            for unit in reversed(units):
+                unit.finish_reductions()
+            for unit in reversed(units):  # the all-reduce hooks' communication (Note [waited hooks])
+                unit.land_hooked()
+            reduced = any(unit.grads.reduced for unit in units)  # alike on every rank: reductions are collectives
+            if any(unit.has_unlanded() for unit in units):  # the one host sync, Note [host syncs]
                 self.host_waits("the gradients copied to host memory")
-            for hooks in self.units:
-                hooks.unit.grads.land_queued()
-            if [hooks.unit.grads.settle_all_reduce() for hooks in self.units].count(True):
+            for unit in units:
+                unit.land_queued()
+            if [unit.settle_all_reduce() for unit in units].count(True):
                 self.host_waits("the gradients all-reduced across replicas")  # once for every unit
         self.scheduler.end_backward()
         self.callback_queued = False
         self.steps_counted += 1
         self.step += 1
-        self.pool.release()  # forward's activations may reuse that memory
+        self.shared.pool.release()  # forward's activations may reuse that memory
         if reduced:  # a backward under no_sync has nothing new to check
             self.settle_nonfinite()
 
     def host_waits(self, what: str) -> None:
         """The host waits for the compute stream (Note [host syncs]), bounded by the root's timeout."""
-        unit = self.units[0].unit
-        with Failing(unit, "end of backward"):
+        unit = self.units[0]
+        try:
             runtime.active.host_waits(unit.compute_device, timeout=unit.timeout,
                                       what=f"{what} at the end of backward of step {self.step}")
+        except CollectiveError as e:
+            raise unit.failed("end of backward", e) from None
 
     def settle_nonfinite(self) -> None:
         """With a non-finite policy on some unit, every rank learns whether any rank's reduced
@@ -122,28 +206,30 @@ class Root:
         or all skip the step (no gradients). Ranks may run other units (pipeline stages), so
         each reports a code, 2 x its first such unit's index + 1 if its policy raises. One read
         of the device flags per backward that reduced (Note [host syncs])."""
-        checked = [hooks.unit for hooks in self.units if hooks.unit.switches.nonfinite is not None]
+        checked = [unit for unit in self.units if unit.switches.nonfinite is not None]
         if not checked:
             return
-        unit = self.units[0].unit
+        unit = self.units[0]
         bad = torch.full((1,), -1, dtype=torch.int64, device=unit.compute_device)  # first unit not finite, or -1
         for other in reversed(checked):
-            if other.grads.finite is not None:
-                bad = torch.where(other.grads.finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
-            other.grads.clear_finite()
-        with Failing(unit, "non-finite check"):
+            finite = other.take_nonfinite()
+            if finite is not None:
+                bad = torch.where(finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
+        try:
             codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout,
                                                          what=NONFINITE)]
+        except CollectiveError as e:
+            raise unit.failed("non-finite check", e) from None
         if all(code < 0 for code in codes):
             return
-        for hooks in self.units:  # skipped, or cleared before raising: a caller that catches the error and
-            for p in hooks.unit.params:  # steps anyway must not write inf/NaN into the parameters
+        for other in self.units:  # skipped, or cleared before raising: a caller that catches the error and
+            for p in other.params:  # steps anyway must not write inf/NaN into the parameters
                 p.drop_grad()
         if not any(code >= 0 and code % 2 for code in codes):
             self.skipped += 1
             return
         mine = codes[dist.get_rank()]
-        where = f"unit {unit.names[mine // 2]!r}" if mine >= 0 else \
+        where = f"unit {self.shared.names[mine // 2]!r}" if mine >= 0 else \
             f"a unit of rank {next(r for r, code in enumerate(codes) if code >= 0)}"
         raise fail(f"the gradient of {where} at step {self.step} is not finite (inf or NaN) after reduction",
                    "Lower the learning rate, train in bf16/fp32 or with loss scaling (fullshard.GradScaler for "
@@ -156,7 +242,7 @@ class Root:
 
     def reset(self) -> None:
         """Drop the step in flight: every unit sharded, no gather or reduction pending, no full gradient."""
-        for hooks in self.units:
-            hooks.reset()
+        for unit in self.units:
+            unit.reset()
         self.scheduler.end_backward()
         self.callback_queued = False

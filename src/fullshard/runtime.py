@@ -69,25 +69,6 @@ def abandon(works: list) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # a reference no interpreter teardown drops
 
 
-class Failing:
-    """`with Failing(unit, "all-gather"):` around a unit's collective or host wait: the one path
-    by which the CollectiveError this seam raises becomes the unit's named FullShardError
-    (Unit.failed)."""
-
-    __slots__ = ("unit", "collective")
-
-    def __init__(self, unit, collective: str) -> None:
-        self.unit, self.collective = unit, collective
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        if isinstance(error, CollectiveError):
-            raise self.unit.failed(self.collective, error) from None
-        return False
-
-
 class MismatchedRows(CollectiveError):
     """A peer sent the rows of another collective (Note [named hangs], tags.py): `peer` is its
     rank in the group, `header` what its rows' header says, (unit id, kind, bytes), None when

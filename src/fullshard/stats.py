@@ -19,13 +19,6 @@ def new_meter() -> list[int]:
     return [0, 0, 0, 0]
 
 
-def metered(meter: list[int], at: int, delta: int) -> None:
-    """Add `delta` bytes to the meter's figure at `at` (0: parameters, 2: gradients), raising its peak."""
-    meter[at] += delta
-    if meter[at] > meter[at + 1]:
-        meter[at + 1] = meter[at]
-
-
 class Stats:
     """Counts since the last reset, for this rank.
 
@@ -45,7 +38,7 @@ class Stats:
         self.unit_base: dict[str, dict[str, float]] = {}
 
     def total(self, name: str) -> float:
-        return sum(hooks.unit.counts[name] for hooks in self.root.units) - self.base.get(name, 0)
+        return sum(unit.counts[name] for unit in self.root.units) - self.base.get(name, 0)
 
     gathers = property(lambda self: self.total("gathers"))
     reduce_scatters = property(lambda self: self.total("reduce_scatters"))
@@ -77,8 +70,7 @@ class Stats:
     def per_unit(self) -> dict[str, dict[str, int]]:
         """Collectives by unit, of the kinds it ran."""
         out = {}
-        for hooks in self.root.units:
-            unit = hooks.unit
+        for unit in self.root.units:
             base = self.unit_base.get(unit.fqn, {})
             counts = {kind: unit.counts[kind] - base.get(kind, 0) for kind in PER_UNIT}
             if any(counts.values()):
@@ -106,7 +98,7 @@ class Stats:
         self.base = {}
         self.base = {name: self.total(name) for name in COUNTERS}
         self.base["steps"], self.base["skipped_steps"] = self.root.steps_counted, self.root.skipped
-        self.unit_base = {hooks.unit.fqn: dict(hooks.unit.counts) for hooks in self.root.units}
+        self.unit_base = {unit.fqn: dict(unit.counts) for unit in self.root.units}
         meter = self.root.meter
         meter[1], meter[3] = meter[0], meter[2]
         return self

@@ -1,5 +1,5 @@
 """Message headers: which model, unit and collective a message on gloo belongs to, and how
-big it is (Note [named hangs]). Pure functions over ints and tensors.
+big it is (Note [named hangs]): functions over ints and tensors (units.py names a header's unit).
 
 # Note [named hangs]: every unit has an id (`Unit.uid`) that all ranks agreed on when
 # fully_shard made it (checks.check_ranks_agree: the number of units made before it, the
@@ -27,7 +27,6 @@ big it is (Note [named hangs]). Pure functions over ints and tensors.
 from __future__ import annotations
 
 import functools
-import weakref
 import zlib
 
 import torch
@@ -36,7 +35,8 @@ HEADER_BYTES = 16  # two int64: MAGIC, kind and unit id; the bytes each peer sen
 HEADER_TAG = 15  # of every point-to-point header; rows' tags are above it
 MAGIC = 0x46534844  # "FSHD": a header at all
 KIND_BITS, UID_BITS = 4, 28
-KINDS = ("all-gather", "reduce-scatter", "all-reduce across replicas")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce across replicas")  # by index: the kind a header carries
+GATHER, REDUCE, ALL_REDUCE = range(len(KINDS))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -80,34 +80,9 @@ def first_mismatch(received: torch.Tensor, expected: torch.Tensor) -> tuple[int,
     return None
 
 
-UNITS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # every live unit by its id
-
-
-def next_uid(after: int = -1) -> int:
-    """An id above every live unit's (and `after`): what this rank proposes for a new unit
-    (check_ranks_agree takes the largest any rank proposes)."""
-    return max([after, *UNITS.keys()]) + 1
-
-
-def described(uid: int, whole_model: bool = False) -> str:
-    """The live unit of id `uid` in words, for messages: "unit 'h.1' of model 12 (GPT)" (the
-    model alone: "model 12 (GPT)")."""
-    unit = UNITS.get(uid)
-    if unit is None:
-        return f"the {'model' if whole_model else 'unit'} of id {uid}, which this rank does not have"
-    if whole_model and unit.model != f"model {uid} ({unit.class_name})":  # a unit of a model here, run alone there
-        return f"{unit.described} alone"
-    return unit.model if whole_model else unit.described
-
-
-def sent_by(header: tuple[int, int, int] | None) -> str:
-    """What a peer's rows were, by their header, in words."""
+def sent_by(header: tuple[int, int, int] | None, described) -> str:
+    """What a peer's rows were, by their header, in words (`described`: units.described)."""
     uid, kind, nbytes = header or (-1, -1, 0)
     if not 0 <= kind < len(KINDS):
         return "rows that are no fullshard collective's"
     return f"the {KINDS[kind]} of {described(uid)} ({nbytes} bytes from each rank)"
-
-
-def unit_of(param) -> object | None:
-    """The live unit that manages `param` (a sharded parameter), if any (a scan: for checks, not steps)."""
-    return next((unit for unit in list(UNITS.values()) if any(p.sharded is param for p in unit.params)), None)

@@ -22,7 +22,7 @@ from fullshard.mesh import counted_copy, replica_dims
 from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.param import local_values
 from fullshard.stats import Stats
-from fullshard.tags import unit_of
+from fullshard.units import unit_of
 from fullshard.unit import ShardState, Unit
 
 

@@ -5,8 +5,8 @@ A training step moves every unit through the same cycle (hooks.py decides when):
     SHARDED --unshard()--> GATHERING --wait_unshard(): finish_gather--> SHARDED --> FULL
     FULL    --reshard()-->                                                 SHARDED
     SHARDED --unshard()--> GATHERING --wait_unshard()-->                   FULL     (before backward)
-    FULL    --post_backward(): reduce_grads(), reshard()-->                SHARDED, its reduction in flight
-    finish_reduce() lands that reduction on the shards' gradients a little later.
+    FULL    --post_backward(): grads.issue(), reshard()-->                 SHARDED, its reduction in flight
+    finish_reductions() lands that reduction on the shards' gradients a little later.
 
 (finish_gather leaves the unit SHARDED with the full parameters gathered into storage the
 modules do not hold yet; a unit whose shards are its full parameters, one rank in the same
@@ -32,19 +32,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard import extension, low_precision, quantize, runtime  # noqa: F401 (the formats register)
+from fullshard import extension, low_precision, quantize, units  # noqa: F401 (the formats register)
 from fullshard.checks import check_next_collective
-from fullshard.errors import DIVERGED, FullShardError, collective_failed, fail, replaced_while_full
+from fullshard.errors import CollectiveError, FullShardError, fail, replaced_while_full
 from fullshard.gather import Context, Gathering, GatherPlan, format_for
 from fullshard.layout import UnitLayout
 from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
 from fullshard.param import OwnedParam, ShardedParam, has_extension, local_values, rows_first, shard_numel
 from fullshard.reduce import Reductions
-from fullshard.routes import BufferPool
-from fullshard.runtime import Failing, MismatchedRows, labelled
-from fullshard.stats import new_counts, new_meter
-from fullshard.tags import KINDS, UNITS, described, sent_by
+from fullshard.runtime import labelled
+from fullshard.shared import Naming, Shared
+from fullshard.stats import new_counts
+from fullshard.tags import GATHER
+
+
+class Phase(Enum):
+    """Where a step is for the unit, as its hooks saw it (Note [backward triggers])."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
 
 
 class ShardState(Enum):
@@ -66,14 +74,12 @@ class Unit:
         self.switches = UnitSwitches()
         self.fqn = ""  # set by the root at lazy init (join), for messages and profiler labels
         self.class_name = type(self.module).__name__  # before fully_shard swaps the class, for messages
-        self.model = f"model {uid} ({self.class_name})"  # the root's (join), for messages
         self.index = 0  # position among the root's units (lazy init), for the non-finite check
-        self.names = [""]  # every unit's fqn by index (lazy init), for messages
-        self.step = 0  # the root's step count, for messages
-        self.evaluating = False  # in a forward without gradients, for the debug checks
-        self.pool = BufferPool()  # the root's after lazy init, shared by its units
+        self.shared = Shared(f"model {uid} ({self.class_name})")  # the root's after lazy init (join)
+        self.naming = Naming(uid, self.class_name, self.shared)
         self.counts = new_counts()  # this unit's collectives (stats.Stats reads them)
-        self.meter = new_meter()  # the root's memory meter after lazy init
+        self.phase = Phase.IDLE
+        self.expects_post_backward = False  # a forward with gradients ran: its PostBackward, or the root's callback, reduces
         self.layout = UnitLayout([shard_numel(rows_first(local_values(o.param).shape, o.dim), group.world)
                                   for o in owned], [has_extension(local_values(o.param)) for o in owned], group)
         self.layout.set_dtypes([o.param.dtype for o in owned], options)
@@ -85,13 +91,12 @@ class Unit:
         self.state = ShardState.SHARDED
         self.gathering: Gathering | None = None  # while GATHERING
         self.gathering_plan: GatherPlan | None = None
-        self.grads = Reductions(self)
+        self.grads = Reductions(self.params, self.layout, group, uid, self.counts, self.shared, self.naming)
         self.make_plans()
         for p in self.params:
             p.to_sharded()
-        UNITS[uid] = self
+        units.register(self)
         self.unset: set[str] = set()  # parameters of a meta-built unit that assign=True loads have not reached
-        self.whats: dict[tuple[str, int], str] = {}  # what(): the names of this step's collectives
 
     # ---- what configures it ----------------------------------------------------------
 
@@ -147,28 +152,26 @@ class Unit:
             self.layout.release()
         self.make_plans()
 
-    def join(self, fqn: str, index: int, names: list[str], model: str, pool: BufferPool, meter: list[int]) -> None:
-        """Lazy init: the root names the unit and its model and shares its buffers and memory meter with it."""
-        self.fqn, self.index, self.names, self.model, self.pool, self.meter = fqn, index, names, model, pool, meter
-        self.whats.clear()
+    def join(self, fqn: str, index: int, shared: Shared) -> None:
+        """Lazy init: the root names the unit and shares with it what its units share."""
+        self.fqn, self.index, self.shared = fqn, index, shared
+        self.naming.fqn, self.naming.shared = fqn, shared
+        self.grads.shared = shared
 
     @property
     def described(self) -> str:
-        return f"unit {self.fqn or self.class_name!r} of {self.model}"
+        return self.naming.described
 
-    def begin_forward(self, step: int, evaluating: bool) -> None:
-        """The root starts a forward: the step counts on, and a copy a forward without backward left goes."""
-        self.drop_small()
-        self.step, self.evaluating = step, evaluating
-        self.whats.clear()
-
-    def begin_backward(self) -> None:
-        self.evaluating = False
+    @property
+    def step(self) -> int:
+        return self.shared.step
 
     def reset(self) -> None:
         """Drop the step in flight (a backward that raised): sharded, nothing pending, no full gradient."""
         self.grads.reset()
         self.reshard()
+        self.expects_post_backward = False
+        self.phase = Phase.IDLE
 
     def move(self, to: ShardState, *starts: ShardState) -> None:
         """Change state, checking the transition starts from one of `starts`."""
@@ -177,29 +180,15 @@ class Unit:
         self.state = to
 
     def metered(self, at: int, delta: int) -> None:
-        """Add `delta` bytes to the memory meter (at 0: full parameters, 2: full gradients), raising its peak."""
-        meter = self.meter
-        meter[at] += delta
-        if meter[at] > meter[at + 1]:
-            meter[at + 1] = meter[at]
+        self.shared.metered(at, delta)
 
     # ---- the error path, Note [named hangs] -------------------------------------------
 
     def what(self, collective: str) -> str:
-        """This step's name of a collective of this unit ("the all-gather of unit 'h.1' of ... at step 3")."""
-        key = (collective, self.step)
-        name = self.whats.get(key)
-        if name is None:
-            name = self.whats[key] = f"the {collective} of {self.described} at step {self.step}"
-        return name
+        return self.naming.what(collective)
 
     def failed(self, collective: str, error: Exception) -> FullShardError:
-        """The one error of a failed collective of this unit: did not finish, found another overdue
-        (naming it), or met a peer's rows of another collective (naming its unit and model)."""
-        if isinstance(error, MismatchedRows):  # named by its header: a reduction may fail in its all-reduce
-            return fail(f"rank {dist.get_rank()}: {self.what(KINDS[error.mine[1]])} received {sent_by(error.header)} "
-                        f"from group rank {error.peer}", DIVERGED)
-        return collective_failed(self.what(collective), error, DIVERGED)
+        return self.naming.failed(collective, error)
 
     # ---- all-gather -------------------------------------------------------------
 
@@ -216,12 +205,16 @@ class Unit:
         if self.gather is None:
             return
         if self.switches.debug:  # every rank about to gather this unit at this step
-            check_next_collective(self, [self.uid, 0, self.step, 0, self.evaluating], described)
+            check_next_collective(self.group, self.timeout, self.naming,
+                                  [self.uid, GATHER, self.shared.step, 0, self.shared.evaluating])
         small = self.small_gather is not None and self.small_gather.kept is not None
         plan = self.small_gather if small else self.gather
         with labelled(f"fullshard::gather {self.fqn}"):
-            with Failing(self, "all-gather"):
-                self.gathering = plan.issue(self.layout.shards, self.pool, self.what("all-gather"), self.timeout)
+            try:
+                self.gathering = plan.issue(self.layout.shards, self.shared.pool, self.naming.what("all-gather"),
+                                            self.timeout)
+            except CollectiveError as e:
+                raise self.naming.failed("all-gather", e) from None
         self.gathering_plan = plan
         self.metered(0, self.layout.full_bytes)
         self.move(ShardState.GATHERING, ShardState.SHARDED)
@@ -260,8 +253,10 @@ class Unit:
         """Wait for the gather in flight into the full parameters; drop the copy it gathered from."""
         plan, gathering = self.gathering_plan, self.gathering
         self.gathering = None
-        with Failing(self, "all-gather"):
-            plan.finish(gathering, self.pool)
+        try:
+            plan.finish(gathering, self.shared.pool)
+        except CollectiveError as e:
+            raise self.naming.failed("all-gather", e) from None
         self.move(ShardState.SHARDED, ShardState.GATHERING)  # gathered into storage the modules do not hold yet
         if plan.small:  # the copy it gathered from
             self.metered(0, -plan.drop())
@@ -304,6 +299,7 @@ class Unit:
         self.unset -= {p.fqn for p, _ in replaced}
         for p, new in replaced:
             p.adopt(new)
+        units.register(self)  # an adopted DTensor is the shard now
 
     def free_after_forward(self) -> None:
         """reshard() after forward, keeping this rank's 1/k first (Note [smaller world after forward])."""
@@ -338,8 +334,42 @@ class Unit:
     def post_backward(self) -> None:
         """Start reducing (unless gradient sync is off: full gradients then keep accumulating) and reshard."""
         if self.switches.sync_grads:
-            self.grads.issue()
+            self.grads.issue(self.switches, self.options, self.compute_device)
         else:
-            self.grads.hold()
+            self.grads.hold(self.timeout)
         if self.switches.reshard_after_backward:
             self.reshard()
+        self.expects_post_backward = False
+        self.phase = Phase.IDLE
+
+    def finish_backward(self) -> None:
+        """The end of backward (the root's final callback): reduce what no PostBackward reduced
+        (Note [module groups], gradients that arrived late), or reshard."""
+        if self.expects_post_backward or self.grads.has_full_grads():
+            self.post_backward()
+        else:
+            if self.switches.reshard_after_backward:
+                self.reshard()
+            self.phase = Phase.IDLE
+
+    def finish_reductions(self) -> None:
+        """Wait for this unit's reductions in flight and land them (or queue them, Note [landing])."""
+        self.grads.finish()
+
+    def land_hooked(self) -> None:
+        self.grads.land_hooked()
+
+    def has_unlanded(self) -> bool:
+        return bool(self.grads.unlanded)
+
+    def land_queued(self) -> None:
+        self.grads.land_queued()
+
+    def settle_all_reduce(self) -> bool:
+        return self.grads.settle_all_reduce(self.switches.all_reduce_grads, self.timeout, self.compute_device)
+
+    def take_nonfinite(self) -> torch.Tensor | None:
+        """Whether every gradient reduced since the last call was finite (0-d bool on the device),
+        when a non-finite policy is set and something was reduced; the flag starts over."""
+        finite, self.grads.finite = self.grads.finite, None
+        return finite
