@@ -100,7 +100,7 @@ def reshard_for_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> N
     """model.state_dict() between steps returns the shards, also of a unit a forward left full
     (the root's, kept for a backward that has not come) or whose parameters were assigned."""
     for hooks in hooks_on(module):
-        if hooks.phase is Phase.IDLE and hooks.shown is None:
+        if hooks.unit.phase is Phase.IDLE and hooks.shown is None:
             hooks.unit.reshard()
             hooks.unit.adopt_replaced()
 
@@ -112,7 +112,7 @@ def adopt_loaded(module: nn.Module, incompatible_keys) -> None:
     """After load_state_dict(assign=True): what it assigned becomes the shards at once, so the
     parameters an optimizer is built from next, full_params and clipping see are the unit's."""
     for hooks in hooks_on(module):
-        if hooks.phase is Phase.IDLE and hooks.shown is None:
+        if hooks.unit.phase is Phase.IDLE and hooks.shown is None:
             hooks.unit.adopt_replaced()
 
 def move_buffers(module: nn.Module, device: torch.device) -> None:

@@ -167,7 +167,7 @@ def full_params(
         raise fail("full_params(writeback=True, rank0_only=True) cannot write back on ranks that see no "
                    "full parameters", "Pass writeback=False with rank0_only=True.")
     units = units_of(model, "full_params")
-    if any(hooks_for(unit).phase is not Phase.IDLE for unit in units):
+    if any(unit.phase is not Phase.IDLE for unit in units):
         raise fail("full_params was entered during a forward or backward",
                    "Use it between training steps.")
     if (rank0_only or offload_to_cpu) and any(p.tp_mesh is not None for unit in units for p in unit.params):
