@@ -70,6 +70,36 @@ def test_hybrid_with_f_equal_n_is_full_shard_and_f_one_is_no_shard(world4):
     assert world4.run(equivalence_job, shape=(4, 1), strategy="no_shard") == [0.0] * 4
 
 
+def pooled_job(strategy: str, shape: tuple[int, int] | None) -> int:
+    """Buffers handed back to the buffer pool during a backward that still hold a gradient."""
+    from fullshard.routes import BufferPool
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    mesh = hybrid_mesh(*shape) if shape else None
+    fullshard.shard_model(model, wrap={Block}, strategy=strategy, **({"mesh": mesh} if mesh else {}))
+    given, give = [], BufferPool.give
+
+    def spy(self, buffer):
+        given.append(buffer.untyped_storage().data_ptr())
+        give(self, buffer)
+
+    BufferPool.give = spy
+    try:
+        gpt_loss(model, local_slice(global_batches(token_batch, 1, 8)[0], dist.get_rank(), dist.get_world_size())).backward()
+    finally:
+        BufferPool.give = give
+    grads = {p.grad._local_tensor.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    return len(grads & set(given))
+
+
+def test_no_buffer_goes_back_to_the_pool_while_it_is_a_gradient(world4):
+    # no_shard and hybrid with one rank per shard group: the reduced row is the shard's own
+    # buffer, which becomes the gradient; the pool must never hand it out again
+    assert world4.run(pooled_job, strategy="no_shard", shape=None) == [0] * 4
+    assert world4.run(pooled_job, strategy="hybrid_shard", shape=(4, 1)) == [0] * 4
+
+
 def bytes_job() -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=30))

@@ -283,11 +283,12 @@ def muon_job() -> dict:
 
     x = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(rank))
     model(x[:, :-1], x[:, 1:]).backward()
+    counted = fullshard.stats(model).reset()
     with Sent() as sent:
         optimizer.step()
     state = sum(v._local_tensor.numel() * v._local_tensor.element_size() for s in optimizer.state.values()
                 for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
-    return {"sent": sent.bytes, "state": state}
+    return {"sent": sent.bytes, "state": state, "counted": (counted.exchanges, counted.exchange_bytes, counted.sent_bytes)}
 
 
 def test_muon_is_priced_by_its_exchange_and_its_state(world2):
@@ -297,6 +298,8 @@ def test_muon_is_priced_by_its_exchange_and_its_state(world2):
     # bytes: a rank sends its rows of the other's matrices and the other's rows of its updates;
     # which rank owns what decides a rank's share, the two ranks' mean is the prediction
     assert sum(g["sent"] for g in got) / 2 == muon.sent_optimizer > 0 and adamw.sent_optimizer == 0
+    # fullshard.stats counts the exchange (two legs) in what the rank sent, as train's "sent per step" shows
+    assert all(g["counted"] == (2, g["sent"], g["sent"]) for g in got), got
     # state: one momentum buffer per matrix element, AdamW's two for the rest, as predicted
     assert abs(sum(g["state"] for g in got) / 2 - muon.memory["optimizer"]) <= 0.01 * muon.memory["optimizer"], \
         (got, muon.memory)

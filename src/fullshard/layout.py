@@ -55,11 +55,6 @@ class UnitLayout:
             param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
             output_dtype=options.output_dtype, cast_forward_inputs=options.input_dtype is not None)
 
-    def on_wire(self, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Full tensors (one per parameter, in its full dtype) as a gather moves them: as they
-        are, or as their bytes (Note [bytes on the wire])."""
-        return fulls if self.wire_dtype != torch.uint8 else [t.view(torch.uint8) for t in fulls]
-
     def allocate(self, device: torch.device, options: UnitOptions) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """New flat storage for the shards (the masters; on the host under CPU offload) and the
         full parameters on `device`, the compute device; returns each parameter's (shard

@@ -381,10 +381,14 @@ class MatrixOptimizer(torch.optim.Optimizer):
         timeout, under the tag of this step's digest and leg (Note [matrix identity])."""
         name = f"{type(self).__name__}'s exchange of {what}"
         try:
-            return exchange_bytes(send, sizes, device, m.group.shard_pg, Caller(name, m.unit.timeout),
-                                  p2p_tag(digest, leg, 0))
+            received = exchange_bytes(send, sizes, device, m.group.shard_pg, Caller(name, m.unit.timeout),
+                                      p2p_tag(digest, leg, 0))
         except CollectiveError as e:
             raise collective_failed(name, e, DIFFERENT_STEPS) from None
+        rank = m.group.shard_pg.rank()  # what this rank sent, for fullshard.stats (and train's "sent per step")
+        m.unit.counts["exchanges"] += 1
+        m.unit.counts["exchange_bytes"] += sum(t.numel() for r, to_rank in enumerate(send) if r != rank for t in to_rank)
+        return received
 
 
 class Muon(MatrixOptimizer):

@@ -208,8 +208,8 @@ class ReducePlan:
                     divided.div_(self.divide_by)
         rt.wait_stream(stream, compute)  # Note [streams]: the rows were packed on the compute stream
         with rt.use(stream):
-            if sent is None:
-                flight = route.reduce(shard.view(1, -1), shard, how.op, pool, what, timeout)
+            if sent is None:  # no shard group: the row is the shard itself, never the pool's to take back
+                flight = Flight([], None, None, [], None, what, timeout)
             else:
                 self.format.encode(rows, payload, pool)
                 flight = route.reduce(sent, shard, how.op, pool, what, timeout)

@@ -280,12 +280,6 @@ class Runtime:
 
     tracks = False
 
-    def reads(self, *tensors: torch.Tensor) -> None:
-        """The current stream reads these buffers."""
-
-    def writes(self, *tensors: torch.Tensor) -> None:
-        """The current stream writes these buffers."""
-
     def allocated(self, tensor: torch.Tensor) -> None:
         """`tensor`'s memory was just allocated on the current stream."""
 

@@ -4,8 +4,8 @@ that counting costs a training step no call."""
 
 from __future__ import annotations
 
-COUNTERS = ("gathers", "reduce_scatters", "all_reduces", "gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
-            "wait_s")
+COUNTERS = ("gathers", "reduce_scatters", "all_reduces", "exchanges", "gather_bytes", "reduce_scatter_bytes",
+            "all_reduce_bytes", "exchange_bytes", "wait_s")
 PER_UNIT = ("gathers", "reduce_scatters", "all_reduces")
 
 
@@ -46,6 +46,8 @@ class Stats:
     gather_bytes = property(lambda self: self.total("gather_bytes"))
     reduce_scatter_bytes = property(lambda self: self.total("reduce_scatter_bytes"))
     all_reduce_bytes = property(lambda self: self.total("all_reduce_bytes"))
+    exchanges = property(lambda self: self.total("exchanges"))  # a matrix optimizer's (Muon's) rows to their owners and back
+    exchange_bytes = property(lambda self: self.total("exchange_bytes"))
     wait_s = property(lambda self: self.total("wait_s"))
     gather_wire_bytes = gather_bytes
     reduce_scatter_wire_bytes = reduce_scatter_bytes
@@ -91,7 +93,7 @@ class Stats:
     @property
     def sent_bytes(self) -> int:
         """Everything this rank put on the wire."""
-        return self.gather_wire_bytes + self.reduce_scatter_wire_bytes + self.all_reduce_wire_bytes
+        return self.gather_wire_bytes + self.reduce_scatter_wire_bytes + self.all_reduce_wire_bytes + self.exchange_bytes
 
     def reset(self) -> Stats:
         """Zero the counters (peaks restart from what is alive now) and return self."""
