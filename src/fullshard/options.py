@@ -1,6 +1,6 @@
 """What configures a unit: the options fully_shard resolves, the switches FSDP2's setters
 flip, and the prefetch schedule of a root. Each is a frozen value: a setter makes a new
-one (Unit.relayout, Unit.switch), so no object's fields are written from outside it."""
+one (Unit.relayout, Unit.switch) instead of writing a field."""
 
 from __future__ import annotations
 
