@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import weakref
 
-from torch.utils.weak import WeakIdKeyDictionary
-
 BY_ID: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # every live unit by its id
-BY_PARAM = WeakIdKeyDictionary()  # a sharded parameter (the DTensor the modules hold) -> weakref of its unit
+# id() of a sharded parameter (the DTensor the modules hold) -> a weakref of its unit. Keyed by
+# id, not by a weakref of the parameter: a tensor with a weakref cannot be swapped in place
+# (torch.utils.swap_tensors, which Module.to uses); a unit's entries go when it does.
+BY_PARAM: dict[int, weakref.ref] = {}
 
 
 def register(unit) -> None:
     """A new unit, or one whose shards are other tensors now (assign=True loads swap them in)."""
     BY_ID[unit.uid] = unit
-    ref = weakref.ref(unit)  # a weak value: the unit holds the key, a strong one would keep both alive
+    ref = weakref.ref(unit, forget)
     for p in unit.params:
-        BY_PARAM[p.sharded] = ref
+        BY_PARAM[id(p.sharded)] = ref
+
+
+def forget(ref: weakref.ref) -> None:
+    """A unit was collected: its parameters' entries go."""
+    for key in [key for key, value in BY_PARAM.items() if value is ref]:
+        del BY_PARAM[key]
 
 
 def next_uid(after: int = -1) -> int:
@@ -28,9 +35,9 @@ def next_uid(after: int = -1) -> int:
 
 def unit_of(param) -> object | None:
     """The live unit that manages `param` (a sharded parameter), if any."""
-    ref = BY_PARAM.get(param)
+    ref = BY_PARAM.get(id(param))
     unit = ref() if ref is not None else None
-    return unit if unit is not None and any(p.sharded is param for p in unit.params) else None
+    return unit if unit is not None and any(p.sharded is param for p in unit.params) else None  # not a reused id
 
 
 def described(uid: int, whole_model: bool = False) -> str:
