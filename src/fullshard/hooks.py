@@ -433,4 +433,4 @@ class UnitHooks:
         if scheduler.schedule.prefetch_after_backward:
             scheduler.prefetch_backward(self.unit, self.backward_targets)
         self.unit.post_backward()
-        self.root.reduce_issued(self.unit)
+        scheduler.reduce_issued(self.unit)

@@ -110,10 +110,6 @@ class Root:
         for index, (unit, fqn) in enumerate(zip(units, names)):
             unit.join(fqn, index, self.shared)
 
-    @property
-    def meter(self) -> list[int]:
-        return self.shared.meter
-
     def start_forward(self) -> None:
         """The root's forward begins: the step counts on, and parameters assigned in the shards'
         place since the last forward are taken (Note [replaced parameters])."""
@@ -161,10 +157,6 @@ class Root:
             self.shared.evaluating = False
             Variable._execution_engine.queue_callback(self.final_callback)
 
-    def reduce_issued(self, unit: Unit) -> None:
-        """`unit`'s PostBackward issued its reduction: the one issued before it is waited for."""
-        self.scheduler.reduce_issued(unit)
-
     def final_callback(self) -> None:
         """End of backward: reduce what no PostBackward reduced, reshard every unit, and land
         the gradients that waited for the host (Note [landing])."""
@@ -176,7 +168,7 @@ class Root:
                 unit.finish_reductions()
             for unit in reversed(units):  # the all-reduce hooks' communication (Note [waited hooks])
                 unit.land_hooked()
-            reduced = any(unit.grads.reduced for unit in units)  # alike on every rank: reductions are collectives
+            reduced = any(unit.reduced() for unit in units)  # alike on every rank: reductions are collectives
             if any(unit.has_unlanded() for unit in units):  # the one host sync, Note [host syncs]
                 self.host_waits("the gradients copied to host memory")
             for unit in units:

@@ -63,10 +63,10 @@ class Stats:
         """Steps whose gradients were dropped for being non-finite (set_nonfinite_grads("skip"))."""
         return self.root.skipped - self.base.get("skipped_steps", 0)
 
-    full_param_bytes = property(lambda self: self.root.meter[0])  # alive now
-    peak_full_param_bytes = property(lambda self: self.root.meter[1])
-    full_grad_bytes = property(lambda self: self.root.meter[2])  # alive now, as far as the units have seen them
-    peak_full_grad_bytes = property(lambda self: self.root.meter[3])
+    full_param_bytes = property(lambda self: self.root.shared.meter[0])  # alive now
+    peak_full_param_bytes = property(lambda self: self.root.shared.meter[1])
+    full_grad_bytes = property(lambda self: self.root.shared.meter[2])  # alive now, as far as the units have seen them
+    peak_full_grad_bytes = property(lambda self: self.root.shared.meter[3])
 
     @property
     def per_unit(self) -> dict[str, dict[str, int]]:
@@ -101,7 +101,7 @@ class Stats:
         self.base = {name: self.total(name) for name in COUNTERS}
         self.base["steps"], self.base["skipped_steps"] = self.root.steps_counted, self.root.skipped
         self.unit_base = {unit.fqn: dict(unit.counts) for unit in self.root.units}
-        meter = self.root.meter
+        meter = self.root.shared.meter
         meter[1], meter[3] = meter[0], meter[2]
         return self
 

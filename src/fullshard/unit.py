@@ -184,9 +184,6 @@ class Unit:
 
     # ---- the error path, Note [named hangs] -------------------------------------------
 
-    def what(self, collective: str) -> str:
-        return self.naming.what(collective)
-
     def failed(self, collective: str, error: Exception) -> FullShardError:
         return self.naming.failed(collective, error)
 
@@ -358,6 +355,10 @@ class Unit:
 
     def land_hooked(self) -> None:
         self.grads.land_hooked()
+
+    def reduced(self) -> bool:
+        """Whether a reduction of this unit finished in this backward."""
+        return self.grads.reduced
 
     def has_unlanded(self) -> bool:
         return bool(self.grads.unlanded)
