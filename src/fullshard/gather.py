@@ -41,6 +41,7 @@ from fullshard.errors import CollectiveError, fail
 from fullshard.options import UnitOptions
 from fullshard.param import ShardedParam, local_values
 from fullshard.routes import BufferPool, Flight, Route, route_for
+from fullshard.runtime import NOTHING
 from fullshard.tags import GATHER
 
 
@@ -141,6 +142,7 @@ class GatherPlan:
         self.offload = offload and not small  # shards in host memory, moved on the gather stream
         self.small = small
         self.world = group.size() if group is not None else 1
+        self.rt = runtime.streams_for(device)  # None: no stream to order (Note [nothing per collective on a CPU])
         self.routes: dict[int, Route] = {}  # by elements per rank (an extension's are known at its first gather)
         self.dynamic = [(i, f) for i, f in enumerate(formats) if not f.static]  # with buffers and transforms of their own
         self.kept: torch.Tensor | None = None  # `small`: the 1/k copy kept after forward (`keep`)
@@ -174,9 +176,11 @@ class GatherPlan:
             f.allocate(self.small)
             if not self.small:
                 kept += f.prepare(shards[i])
-        compute, stream = rt.current_stream(self.device), rt.side_stream(self.device, "gather")
-        rt.wait_stream(stream, compute)  # the optimizer may have just written the shards
-        with rt.use(stream):
+        streams, stream = self.rt, None
+        if streams is not None:
+            stream = streams.side_stream(self.device, "gather")
+            streams.wait_stream(stream, streams.current_stream(self.device))  # the optimizer may have just written the shards
+        with streams.use(stream) if streams is not None else NOTHING:
             if self.small:
                 sources, dtypes = [self.kept], [self.wire_dtype]
             elif not self.dynamic and not self.offload:
@@ -189,7 +193,8 @@ class GatherPlan:
                      for t, dtype in zip(sources, dtypes)]
             route = self.route(sum(sizes))
             one = sources[0] if len(sources) == 1 else None
-            if route.lead or one is None or one.dtype != self.wire_dtype or rt.elsewhere(one, self.device):
+            if route.lead or one is None or one.dtype != self.wire_dtype or \
+                    streams is not None and streams.elsewhere(one, self.device):  # in host memory, for a GPU
                 sent, payload = route.send_buffer(pool, 1)
                 self.stage(sources, dtypes, sizes, payload, pool)
             else:
@@ -201,7 +206,7 @@ class GatherPlan:
               pool: BufferPool) -> None:
         """Copy the inputs into the send buffer's payload: cast (mixed precision), or as the bytes of each dtype."""
         rt = runtime.active
-        if sources and not self.as_bytes and not rt.elsewhere(sources[0], self.device):
+        if sources and not self.as_bytes and not (self.rt is not None and rt.elsewhere(sources[0], self.device)):
             torch.cat(sources, out=payload)  # one kernel that also casts
             return
         offset = 0
@@ -221,12 +226,12 @@ class GatherPlan:
     def finish(self, gathering: Gathering, pool: BufferPool) -> None:
         """Wait for the gather and rebuild the full parameters, Note [gather streams] 3. Raises
         the route's CollectiveError (a timeout, another collective's rows)."""
-        rt = runtime.active
         outs = [out.view(self.world, -1) for out in self.outputs()]  # each [world, size]
         sizes = [out.size(1) for out in outs]
         route = self.route(sum(sizes))
-        stream = rt.side_stream(self.device, "gather")
-        with rt.use(stream), torch.no_grad():
+        streams = self.rt
+        stream = streams.side_stream(self.device, "gather") if streams is not None else None
+        with streams.use(stream) if streams is not None else NOTHING, torch.no_grad():
             before, after = route.finish(gathering.flight)
             rank = route.rank
             for rows, first in ((before, 0), (after, rank + 1)):
@@ -234,7 +239,8 @@ class GatherPlan:
                     torch.split_with_sizes_copy(rows, sizes, dim=1,
                                                 out=[out[first : first + rows.size(0)] for out in outs])
             torch.split_with_sizes_copy(gathering.payload, sizes, out=[out[rank] for out in outs])
-        rt.wait_stream(rt.current_stream(self.device), stream)
+        if streams is not None:
+            streams.wait_stream(streams.current_stream(self.device), stream)
         with torch.no_grad():
             for f in self.after:
                 f.after(self.small)

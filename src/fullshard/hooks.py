@@ -133,7 +133,8 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
     an optimizer that would silently not train a sharded model. Only the parameters that are
     not DTensors, few in a sharded model, need a look. It is also the first write to the
     shards after a background save's copies: those are ordered before it here."""
-    runtime.order_before_step()
+    if runtime.BEFORE_NEXT_STEP:
+        runtime.order_before_step()
     stale, unaveraged, sharded = [], [], False
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -62,8 +62,8 @@ from fullshard.collectives import HEADERS, all_gather_ints, redistribute
 from fullshard.mesh import ShardGroup
 from fullshard.param import ShardedParam, local_values
 from fullshard.errors import CollectiveError
-from fullshard.routes import BufferPool, Flight, all_reduce, check_headers, route_for
-from fullshard.runtime import labelled
+from fullshard.routes import BufferPool, Flight, all_reduce, check_headers, route_for, wait_works
+from fullshard.runtime import NOTHING, label, profiling
 from fullshard.tags import ALL_REDUCE, REDUCE, header
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -162,6 +162,7 @@ class ReducePlan:
         self.divide_by = divide_by
         self.replicate_pg = replicate_pg
         self.on_device = not runtime.active.host_memory(device)
+        self.rt = runtime.streams_for(device)  # None: no stream to order (Note [nothing per collective on a CPU])
         # Note [no overflow]: the powers of two the rows are scaled by before the sums
         sums = self.averaging.op == dist.ReduceOp.SUM and not self.averaging.divide_first
         shard_scale = below(group.world) if sums and shard_pg is not None else 1.0
@@ -181,14 +182,14 @@ class ReducePlan:
               timeout: timedelta) -> Reducing:
         """Start summing the full gradients' rows over the shard group into this rank's row,
         then (`replicate`) all-reducing it across replicas."""
-        rt = runtime.active
+        streams = self.rt
         route, how = self.route, self.averaging
         world, rank = route.world, route.rank
         shard = torch.empty(self.row_numel, dtype=self.dtype, device=self.device)  # [row_numel]
         all_here = True  # then every reduced flag is set
         for g in grads:  # a loop, not all(): per reduction, kept free of calls
             all_here = all_here and g is not None
-        compute, stream = rt.current_stream(self.device), rt.side_stream(self.device, "reduce")
+        stream = streams.side_stream(self.device, "reduce") if streams is not None else None
         rows, sent = None, None
         scale, own = self.scale_first, None  # Note [no overflow]
         if self.group.shard_pg is None:
@@ -206,8 +207,9 @@ class ReducePlan:
             for divided in (rows, shard if self.sums_here or self.group.shard_pg is None else None):
                 if divided is not None:
                     divided.div_(self.divide_by)
-        rt.wait_stream(stream, compute)  # Note [streams]: the rows were packed on the compute stream
-        with rt.use(stream):
+        if streams is not None:  # Note [streams]: the rows were packed on the compute stream
+            streams.wait_stream(stream, streams.current_stream(self.device))
+        with streams.use(stream) if streams is not None else NOTHING:
             if sent is None:  # no shard group: the row is the shard itself, never the pool's to take back
                 flight = Flight([], None, None, [], None, what, timeout)
             else:
@@ -219,7 +221,7 @@ class ReducePlan:
             reducing.traffic.append(("reduce_scatter", (world - 1) * self.format.wire_numel
                                      * self.format.wire_dtype.itemsize))
         if reducing.replicated and not self.sums_here:  # at once, on its own stream, behind the reduce-scatter
-            with rt.use(stream):
+            with streams.use(stream) if streams is not None else NOTHING:
                 route.finish(flight)
             flight.works = []
             self.start_all_reduce(reducing)
@@ -229,13 +231,14 @@ class ReducePlan:
         """Issue the all-reduce of the row across replicas on the all-reduce stream, after the
         reduce stream (on gloo, once every replica's header says it reduces the same row:
         Note [named hangs])."""
-        rt = runtime.active
+        streams, stream = self.rt, None
         shard, group, flight = reducing.shard, self.replicate_pg, reducing.flight
         if self.replicate_header is not None:
             check_replicas(group, self.replicate_header, flight.timeout)
-        stream = rt.side_stream(self.device, "all_reduce")
-        rt.wait_stream(stream, rt.side_stream(self.device, "reduce"))
-        with rt.use(stream):
+        if streams is not None:
+            stream = streams.side_stream(self.device, "all_reduce")
+            streams.wait_stream(stream, streams.side_stream(self.device, "reduce"))
+        with streams.use(stream) if streams is not None else NOTHING:
             if self.replica_scale != 1:  # Note [no overflow]
                 shard.mul_(self.replica_scale)
                 reducing.scale *= self.replica_scale
@@ -245,10 +248,10 @@ class ReducePlan:
     def finish(self, reducing: Reducing, pool: BufferPool) -> torch.Tensor:
         """Wait for the reduction; return this rank's row averaged over the data-parallel ranks,
         ready for the compute stream. Raises the route's CollectiveError."""
-        rt = runtime.active
+        streams = self.rt
         shard, flight = reducing.shard, reducing.flight
-        stream = rt.side_stream(self.device, "reduce")
-        with rt.use(stream):
+        stream = streams.side_stream(self.device, "reduce") if streams is not None else None
+        with streams.use(stream) if streams is not None else NOTHING:
             if flight.works or flight.header_works:
                 before, after = self.route.finish(flight)
                 if self.sums_here:  # own row first, then the peers' in rank order, Note [averaging]
@@ -270,14 +273,15 @@ class ReducePlan:
                         pool.give(total)
         if reducing.replicated and reducing.all_reduce_works is None:  # gloo: now the row is summed
             self.start_all_reduce(reducing)
-        last = rt.side_stream(self.device, "all_reduce") if reducing.all_reduce_works else stream
-        with rt.use(last):
+        last = streams.side_stream(self.device, "all_reduce") if reducing.all_reduce_works and streams is not None \
+            else stream
+        with streams.use(last) if streams is not None else NOTHING:
             if reducing.all_reduce_works:
-                rt.wait_works(reducing.all_reduce_works, timeout=flight.timeout, what=flight.what,
-                              on_device=self.on_device)
+                wait_works(streams, reducing.all_reduce_works, flight, on_device=self.on_device)
             if reducing.divide_after * reducing.scale != 1:
                 shard.div_(reducing.divide_after * reducing.scale)
-        rt.wait_stream(rt.current_stream(self.device), last)
+        if streams is not None:
+            streams.wait_stream(streams.current_stream(self.device), last)
         self.route.give(flight, pool)
         if reducing.rows is not None:
             pool.give(reducing.rows)
@@ -336,7 +340,10 @@ class Reductions:
         """Bring the meter's full gradient bytes up to what this unit holds now (`held` when the caller knows)."""
         if held is None:
             held = full_grad_bytes(self.params)
-        self.shared.metered(2, held - self.counted_grad_bytes)
+        meter = self.shared.meter  # the root's: full gradient bytes (at 2) and their peak (at 3)
+        meter[2] += held - self.counted_grad_bytes
+        if meter[2] > meter[3]:
+            meter[3] = meter[2]
         self.counted_grad_bytes = held
 
     def has_full_grads(self) -> bool:
@@ -385,9 +392,9 @@ class Reductions:
             check_next_collective(self.group, timeout, naming,
                                   [self.uid, REDUCE, self.shared.step, mask, self.shared.evaluating])
         replicate = switches.all_reduce_grads and not self.owes_all_reduce
-        what = naming.what("reduce-scatter")
         for plan in self.plans_for(trainable, switches, options, device):
-            with labelled(f"fullshard::reduce_scatter {naming.fqn}"):
+            what = naming.what("reduce-scatter") if plan.rt is not None else ""  # for a stream model or the hang watch
+            with label(f"fullshard::reduce_scatter {naming.fqn}") if profiling() else NOTHING:
                 try:  # no_shard on gloo: its all-reduce checks the replicas' headers at once
                     reducing = plan.issue([full_grads.pop(p) for p in plan.params], self.shared.pool, replicate,
                                           what, timeout)
@@ -403,7 +410,7 @@ class Reductions:
         taken, self.in_flight = self.in_flight, []
         for plan, reducing, switches, options in taken:
             start = time.perf_counter()
-            with labelled(f"fullshard::wait reduce {self.naming.fqn}"):
+            with label(f"fullshard::wait reduce {self.naming.fqn}") if profiling() else NOTHING:
                 try:
                     row = plan.finish(reducing, self.shared.pool)  # [grad_shard_numel + n_flags], on the compute stream
                 except CollectiveError as e:

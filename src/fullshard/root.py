@@ -14,7 +14,7 @@ from fullshard import runtime
 from fullshard.collectives import all_gather_ints, site
 from fullshard.errors import CollectiveError, fail
 from fullshard.options import Schedule
-from fullshard.runtime import labelled
+from fullshard.runtime import NOTHING, label, profiling
 from fullshard.shared import Shared
 from fullshard.stats import Stats
 from fullshard.unit import ShardState, Unit
@@ -161,7 +161,7 @@ class Root:
         """End of backward: reduce what no PostBackward reduced, reshard every unit, and land
         the gradients that waited for the host (Note [landing])."""
         units = self.units
-        with labelled("fullshard::final_callback"):
+        with label("fullshard::final_callback") if profiling() else NOTHING:
             for unit in reversed(units):  # issue every reduction left, then wait: they overlap
                 unit.finish_backward()
             for unit in reversed(units):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import runtime
-from fullshard.runtime import MismatchedRows, launched
+from fullshard.runtime import MismatchedRows, failed_wait, streams_for
 from fullshard.tags import HEADER_BYTES, HEADER_TAG, first_mismatch, header, header_elements, p2p_tag, read_header
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
@@ -95,11 +95,6 @@ class Flight:
     timeout: timedelta
 
 
-def wait(works: list, flight: Flight, *, on_device: bool) -> None:
-    """The current stream waits for `works`; only on the CPU does the host wait (Note [host syncs])."""
-    runtime.active.wait_works(works, timeout=flight.timeout, what=flight.what, on_device=on_device)
-
-
 def route_for(group: dist.ProcessGroup | None, device: torch.device, numel: int, dtype: torch.dtype, *, uid: int,
               kind: int, native: bool = True) -> Route:
     """Note [collective choice]: the route of a unit's collective of `kind` (tags.KINDS) over
@@ -119,7 +114,28 @@ def route_for(group: dist.ProcessGroup | None, device: torch.device, numel: int,
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> list:
     """Start reducing `tensor` in place over `group` (the all-reduce across replicas): the backend's own."""
-    return launched([dist.all_reduce(tensor, op=op, group=group, async_op=True)], reads=[tensor], writes=[tensor])
+    return issued([dist.all_reduce(tensor, op=op, group=group, async_op=True)], reads=[tensor], writes=[tensor])
+
+
+def issued(works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> list:
+    """`works` just issued, told to a stream model when one is installed (runtime.launched, read
+    here so that a plan's collective makes no call of the seam: Note [nothing per collective on
+    a CPU])."""
+    rt = runtime.active
+    return rt.launched(works, reads=reads, writes=writes) if rt.tracks else works
+
+
+def wait_works(rt, works: list, flight: Flight, *, on_device: bool) -> None:
+    """The current stream waits for `works` (`rt`: the plan's runtime, streams_for); on the CPU
+    with the plain runtime the host waits here, up to the flight's timeout."""
+    if rt is not None:
+        rt.wait_works(works, timeout=flight.timeout, what=flight.what, on_device=on_device)
+        return
+    try:
+        for work in works:
+            work.wait(flight.timeout)
+    except RuntimeError as e:
+        raise failed_wait(works, e) from e
 
 
 class Route:
@@ -136,6 +152,7 @@ class Route:
         self.world, self.rank = (group.size(), group.rank()) if group is not None else (1, 0)
         self.peers = [r for r in range(self.world) if r != self.rank]
         self.on_device = not runtime.active.host_memory(device)
+        self.rt = streams_for(device)  # None: nothing of the runtime per collective
         self.header = header(uid, kind, numel * dtype.itemsize)  # [2] int64, made once
 
     def send_buffer(self, pool: BufferPool, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +176,7 @@ class Route:
         """Wait for the collective (the headers first, checked: MismatchedRows) and return
         the peers' rows, those of the ranks before this one and after it ([n, numel] each;
         a native reduction: none)."""
-        wait(flight.works, flight, on_device=self.on_device)
+        wait_works(self.rt, flight.works, flight, on_device=self.on_device)
         empty = torch.empty((0, self.numel), dtype=self.dtype, device=self.device)
         return empty, empty
 
@@ -196,17 +213,17 @@ class Native(Route):
 
     def gather(self, payload, sent, pool, what, timeout):
         gathered = pool.take((self.world, self.numel), self.dtype, self.device)  # [world, numel]
-        works = launched([all_gather_single(gathered.view(-1), payload, group=self.group, async_op=True)],
+        works = issued([all_gather_single(gathered.view(-1), payload, group=self.group, async_op=True)],
                          reads=[payload], writes=[gathered])
         return Flight(works, gathered, sent, [], None, what, timeout)
 
     def reduce(self, sent, shard, op, pool, what, timeout):
-        works = launched([reduce_scatter_single(shard, sent.view(-1), op=op, group=self.group, async_op=True)],
+        works = issued([reduce_scatter_single(shard, sent.view(-1), op=op, group=self.group, async_op=True)],
                          reads=[sent], writes=[shard])
         return Flight(works, None, sent, [], None, what, timeout)
 
     def finish(self, flight):
-        wait(flight.works, flight, on_device=self.on_device)
+        wait_works(self.rt, flight.works, flight, on_device=self.on_device)
         rows = flight.received
         if rows is None:
             return super().finish(flight)
@@ -232,7 +249,7 @@ class PointToPoint(Route):
         header_works += [dist.isend(self.header, group=group, group_dst=r, tag=HEADER_TAG) for r in self.peers]
         works = [dist.irecv(row, group=group, group_src=r, tag=tag) for row, r in zip(received, self.peers)]
         works += [dist.isend(t, group=group, group_dst=r, tag=tag) for t, r in zip(sends, self.peers)]
-        return Flight(launched(works, reads=sends, writes=[received]), received, sent, header_works, headers, what,
+        return Flight(issued(works, reads=sends, writes=[received]), received, sent, header_works, headers, what,
                       timeout)
 
     def gather(self, payload, sent, pool, what, timeout):
@@ -242,9 +259,12 @@ class PointToPoint(Route):
         return self.exchange([sent[r] for r in self.peers], pool, sent, what, timeout)
 
     def finish(self, flight):
-        runtime.active.wait_host_works(flight.header_works, timeout=flight.timeout, what=flight.what)
+        if self.rt is not None:  # the headers are in host memory: the host reads them
+            self.rt.wait_host_works(flight.header_works, timeout=flight.timeout, what=flight.what)
+        else:
+            wait_works(None, flight.header_works, flight, on_device=False)
         self.check(flight.headers, flight.works)
-        wait(flight.works, flight, on_device=self.on_device)
+        wait_works(self.rt, flight.works, flight, on_device=self.on_device)
         rows = flight.received
         return rows[: self.rank], rows[self.rank :]
 
@@ -276,12 +296,12 @@ class AllToAll(Route):
         if not self.checked:
             received = pool.take((self.world, self.numel), self.dtype, self.device)
             work = dist.all_to_all_single(received, sent, group=self.group, async_op=True)
-            return Flight(launched([work], reads=[sent], writes=[received]), received, sent, [], None, what, timeout)
+            return Flight(issued([work], reads=[sent], writes=[received]), received, sent, [], None, what, timeout)
         sent.view(torch.uint8)[:, :HEADER_BYTES].copy_(self.header.view(torch.uint8).expand(self.world, -1))
         received = pool.take((self.world * RECEIVE_CAPACITY,), torch.uint8, self.device)  # any row fits
         work = dist.all_to_all_single(received[: sum(self.capacities)], sent.view(torch.uint8).view(-1),
                                       self.capacities, [self.row] * self.world, group=self.group, async_op=True)
-        return Flight(launched([work], reads=[sent], writes=[received]), received, sent, [], None, what, timeout)
+        return Flight(issued([work], reads=[sent], writes=[received]), received, sent, [], None, what, timeout)
 
     def send_buffer(self, pool, rows):
         sent = pool.take((self.world, self.lead + self.numel), self.dtype, self.device)  # a row per rank
@@ -295,7 +315,7 @@ class AllToAll(Route):
         return self.send(sent, pool, what, timeout)
 
     def finish(self, flight):
-        wait(flight.works, flight, on_device=self.on_device)
+        wait_works(self.rt, flight.works, flight, on_device=self.on_device)
         received = flight.received
         if not self.checked:
             return received[: self.rank], received[self.rank + 1 :]

@@ -55,10 +55,28 @@ log = logging.getLogger("fullshard")
 # cannot go on with them anyway): nothing waits for them at exit.
 
 
-def labelled(name: str) -> contextlib.AbstractContextManager:
-    """A profiler label around a block of fullshard's own work, made only while a profiler
-    records (the label is an op of its own: a few microseconds each, several per unit per step)."""
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+# Note [nothing per collective on a CPU]: with the plain runtime on a CPU there is no stream
+# to order and the host itself waits, so a plan decides when it is made (`streams_for`) to make
+# no call of this seam per collective: it waits on the works itself (`failed_wait` only when
+# one fails), skips the stream calls, and labels its work for a profiler only while one
+# records (`profiling()`, else `NOTHING`: a label is an op of its own, a few microseconds).
+# A stream model (fullshard.testing) or a GPU gets every call.
+NOTHING = contextlib.nullcontext()  # a `with` that does nothing: no label, no stream
+profiling = torch.autograd._profiler_enabled  # whether a profiler records now
+label = torch.profiler.record_function
+
+
+def streams_for(device: torch.device):
+    """The runtime a plan orders its streams and waits with, or None where it needs none (the
+    plain runtime on a CPU: Note [nothing per collective on a CPU])."""
+    return None if active.host_memory(device) and not active.tracks else active
+
+
+def failed_wait(works: list, error: RuntimeError) -> CollectiveError:
+    """The error of a host wait on `works` that raised (the backends raise RuntimeError subclasses
+    for timeouts and lost peers); the works are never destroyed (Note [abandoned collectives])."""
+    abandon(works)
+    return CollectiveError(str(error).splitlines()[0])
 
 
 def abandon(works: list) -> None:
@@ -257,9 +275,8 @@ class Runtime:
                     work.wait(timeout)
         except CollectiveError:
             raise
-        except RuntimeError as e:  # the backends raise RuntimeError subclasses for timeouts and lost peers
-            abandon(works)
-            raise CollectiveError(str(e).splitlines()[0]) from e
+        except RuntimeError as e:
+            raise failed_wait(works, e) from e
 
     def wait_host_works(self, works: list, *, timeout: timedelta, what: str) -> None:
         """The host waits for `works`, gloo's messages in host memory (Note [named hangs]'s headers)."""
@@ -334,18 +351,18 @@ active = Runtime()
 # Streams the compute stream must wait for before it next writes the shards (a background
 # save's copies of them, Note [background saves]): waited for by the optimizer's step, the
 # first such write, so that the forward and backward between run unordered with the copies.
-_before_next_step: list[tuple[torch.device, object]] = []
+BEFORE_NEXT_STEP: list[tuple[torch.device, object]] = []
 
 
 def before_next_step(device: torch.device, stream: object) -> None:
-    _before_next_step.append((device, stream))
+    BEFORE_NEXT_STEP.append((device, stream))
 
 
 def order_before_step() -> None:
     """The compute stream waits for every stream recorded by before_next_step (the optimizer
-    step pre-hook calls it)."""
-    while _before_next_step:
-        device, stream = _before_next_step.pop()
+    step pre-hook calls it when there is one)."""
+    while BEFORE_NEXT_STEP:
+        device, stream = BEFORE_NEXT_STEP.pop()
         active.wait_stream(active.current_stream(device), stream)
 
 

@@ -26,13 +26,6 @@ class Shared:
         self.step = 0  # the step that runs now (the root's backward passes finished + 1)
         self.evaluating = False  # in a forward without gradients, for the debug checks
 
-    def metered(self, at: int, delta: int) -> None:
-        """Add `delta` bytes to the meter (at 0: full parameters, 2: full gradients), raising its peak."""
-        meter = self.meter
-        meter[at] += delta
-        if meter[at] > meter[at + 1]:
-            meter[at + 1] = meter[at]
-
 
 class Naming:
     """A unit in words, for the errors of its collectives (Note [named hangs])."""

@@ -41,7 +41,7 @@ from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
 from fullshard.param import OwnedParam, ShardedParam, has_extension, local_values, rows_first, shard_numel
 from fullshard.reduce import Reductions
-from fullshard.runtime import labelled
+from fullshard.runtime import NOTHING, label, profiling
 from fullshard.shared import Naming, Shared
 from fullshard.stats import new_counts
 from fullshard.tags import GATHER
@@ -179,8 +179,12 @@ class Unit:
                                      f"{'/'.join(s.name for s in starts)}"
         self.state = to
 
-    def metered(self, at: int, delta: int) -> None:
-        self.shared.metered(at, delta)
+    def metered(self, delta: int) -> None:
+        """Add `delta` bytes to the root's meter of full parameters (at 0), raising its peak (at 1)."""
+        meter = self.shared.meter
+        meter[0] += delta
+        if meter[0] > meter[1]:
+            meter[1] = meter[0]
 
     # ---- the error path, Note [named hangs] -------------------------------------------
 
@@ -206,14 +210,14 @@ class Unit:
                                   [self.uid, GATHER, self.shared.step, 0, self.shared.evaluating])
         small = self.small_gather is not None and self.small_gather.kept is not None
         plan = self.small_gather if small else self.gather
-        with labelled(f"fullshard::gather {self.fqn}"):
+        with label(f"fullshard::gather {self.fqn}") if profiling() else NOTHING:
             try:
-                self.gathering = plan.issue(self.layout.shards, self.shared.pool, self.naming.what("all-gather"),
-                                            self.timeout)
+                what = self.naming.what("all-gather") if plan.rt is not None else ""  # for a stream model or the hang watch
+                self.gathering = plan.issue(self.layout.shards, self.shared.pool, what, self.timeout)
             except CollectiveError as e:
                 raise self.naming.failed("all-gather", e) from None
         self.gathering_plan = plan
-        self.metered(0, self.layout.full_bytes)
+        self.metered(self.layout.full_bytes)
         self.move(ShardState.GATHERING, ShardState.SHARDED)
         if plan.world > 1:
             self.counts["gathers"] += 1
@@ -235,7 +239,7 @@ class Unit:
         self.unshard(adopt)  # adopts replaced parameters unless already gathering (a prefetch: scanned above)
         if self.gathering is not None:
             start = time.perf_counter()
-            with labelled(f"fullshard::wait gather {self.fqn}"):
+            with label(f"fullshard::wait gather {self.fqn}") if profiling() else NOTHING:
                 self.finish_gather()
             self.counts["wait_s"] += time.perf_counter() - start
         for p in self.params:  # ShardedParam.to_full, inline: once per parameter per gather
@@ -256,7 +260,7 @@ class Unit:
             raise self.naming.failed("all-gather", e) from None
         self.move(ShardState.SHARDED, ShardState.GATHERING)  # gathered into storage the modules do not hold yet
         if plan.small:  # the copy it gathered from
-            self.metered(0, -plan.drop())
+            self.metered(-plan.drop())
 
     def check_has_values(self) -> None:
         """Refuse to gather a unit still on the meta device, or one that assign=True loads gave
@@ -301,12 +305,12 @@ class Unit:
     def free_after_forward(self) -> None:
         """reshard() after forward, keeping this rank's 1/k first (Note [smaller world after forward])."""
         if self.small_gather is not None and self.state is ShardState.FULL:
-            self.metered(0, self.small_gather.keep(self.group.world // self.options.post_forward_world))
+            self.metered(self.small_gather.keep(self.group.world // self.options.post_forward_world))
         self.reshard(keep_small=True)
 
     def drop_small(self) -> None:
         if self.small_gather is not None:
-            self.metered(0, -self.small_gather.drop())
+            self.metered(-self.small_gather.drop())
 
     def reshard(self, keep_small: bool = False) -> None:
         """Drop the full parameters and put the shards back on the modules; a no-op when sharded."""
@@ -323,7 +327,7 @@ class Unit:
             return
         if self.gather is not None:
             self.gather.free()
-            self.metered(0, -self.layout.full_bytes)
+            self.metered(-self.layout.full_bytes)
         self.state = ShardState.SHARDED
 
     # ---- gradients: the unit's Reductions (reduce.py) -----------------------------
