@@ -40,7 +40,7 @@ from fullshard import runtime
 from fullshard.errors import CollectiveError, fail
 from fullshard.options import UnitOptions
 from fullshard.param import ShardedParam, local_values
-from fullshard.routes import BufferPool, Flight, Route, route_for
+from fullshard.routes import BufferPool, Flight, Route, route_for, stream_runtime
 from fullshard.runtime import NOTHING
 from fullshard.tags import GATHER
 
@@ -142,7 +142,7 @@ class GatherPlan:
         self.offload = offload and not small  # shards in host memory, moved on the gather stream
         self.small = small
         self.world = group.size() if group is not None else 1
-        self.rt = runtime.streams_for(device)  # None: no stream to order (Note [nothing per collective on a CPU])
+        self.cpu = device.type == "cpu"  # routes.stream_runtime: Note [nothing per collective on a CPU]
         self.routes: dict[int, Route] = {}  # by elements per rank (an extension's are known at its first gather)
         self.dynamic = [(i, f) for i, f in enumerate(formats) if not f.static]  # with buffers and transforms of their own
         self.kept: torch.Tensor | None = None  # `small`: the 1/k copy kept after forward (`keep`)
@@ -176,7 +176,7 @@ class GatherPlan:
             f.allocate(self.small)
             if not self.small:
                 kept += f.prepare(shards[i])
-        streams, stream = self.rt, None
+        streams, stream = stream_runtime(self.cpu), None
         if streams is not None:
             stream = streams.side_stream(self.device, "gather")
             streams.wait_stream(stream, streams.current_stream(self.device))  # the optimizer may have just written the shards
@@ -196,17 +196,17 @@ class GatherPlan:
             if route.lead or one is None or one.dtype != self.wire_dtype or \
                     streams is not None and streams.elsewhere(one, self.device):  # in host memory, for a GPU
                 sent, payload = route.send_buffer(pool, 1)
-                self.stage(sources, dtypes, sizes, payload, pool)
+                self.stage(sources, dtypes, sizes, payload, pool, streams)
             else:
                 sent, payload = None, one  # the shard itself goes
             flight = route.gather(payload, sent, pool, what, timeout)
         return Gathering(flight, payload, kept)
 
     def stage(self, sources: list[torch.Tensor], dtypes: list[torch.dtype], sizes: list[int], payload: torch.Tensor,
-              pool: BufferPool) -> None:
+              pool: BufferPool, streams) -> None:
         """Copy the inputs into the send buffer's payload: cast (mixed precision), or as the bytes of each dtype."""
         rt = runtime.active
-        if sources and not self.as_bytes and not (self.rt is not None and rt.elsewhere(sources[0], self.device)):
+        if sources and not self.as_bytes and not (streams is not None and streams.elsewhere(sources[0], self.device)):
             torch.cat(sources, out=payload)  # one kernel that also casts
             return
         offset = 0
@@ -229,7 +229,7 @@ class GatherPlan:
         outs = [out.view(self.world, -1) for out in self.outputs()]  # each [world, size]
         sizes = [out.size(1) for out in outs]
         route = self.route(sum(sizes))
-        streams = self.rt
+        streams = stream_runtime(self.cpu)
         stream = streams.side_stream(self.device, "gather") if streams is not None else None
         with streams.use(stream) if streams is not None else NOTHING, torch.no_grad():
             before, after = route.finish(gathering.flight)

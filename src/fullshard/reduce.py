@@ -62,7 +62,7 @@ from fullshard.collectives import HEADERS, all_gather_ints, redistribute
 from fullshard.mesh import ShardGroup
 from fullshard.param import ShardedParam, local_values
 from fullshard.errors import CollectiveError
-from fullshard.routes import BufferPool, Flight, all_reduce, check_headers, route_for, wait_works
+from fullshard.routes import BufferPool, Flight, all_reduce, check_headers, route_for, stream_runtime, wait_works
 from fullshard.runtime import NOTHING, label, profiling
 from fullshard.tags import ALL_REDUCE, REDUCE, header
 
@@ -162,7 +162,7 @@ class ReducePlan:
         self.divide_by = divide_by
         self.replicate_pg = replicate_pg
         self.on_device = not runtime.active.host_memory(device)
-        self.rt = runtime.streams_for(device)  # None: no stream to order (Note [nothing per collective on a CPU])
+        self.cpu = device.type == "cpu"  # routes.stream_runtime: Note [nothing per collective on a CPU]
         # Note [no overflow]: the powers of two the rows are scaled by before the sums
         sums = self.averaging.op == dist.ReduceOp.SUM and not self.averaging.divide_first
         shard_scale = below(group.world) if sums and shard_pg is not None else 1.0
@@ -182,7 +182,7 @@ class ReducePlan:
               timeout: timedelta) -> Reducing:
         """Start summing the full gradients' rows over the shard group into this rank's row,
         then (`replicate`) all-reducing it across replicas."""
-        streams = self.rt
+        streams = stream_runtime(self.cpu)
         route, how = self.route, self.averaging
         world, rank = route.world, route.rank
         shard = torch.empty(self.row_numel, dtype=self.dtype, device=self.device)  # [row_numel]
@@ -231,7 +231,7 @@ class ReducePlan:
         """Issue the all-reduce of the row across replicas on the all-reduce stream, after the
         reduce stream (on gloo, once every replica's header says it reduces the same row:
         Note [named hangs])."""
-        streams, stream = self.rt, None
+        streams, stream = stream_runtime(self.cpu), None
         shard, group, flight = reducing.shard, self.replicate_pg, reducing.flight
         if self.replicate_header is not None:
             check_replicas(group, self.replicate_header, flight.timeout)
@@ -248,7 +248,7 @@ class ReducePlan:
     def finish(self, reducing: Reducing, pool: BufferPool) -> torch.Tensor:
         """Wait for the reduction; return this rank's row averaged over the data-parallel ranks,
         ready for the compute stream. Raises the route's CollectiveError."""
-        streams = self.rt
+        streams = stream_runtime(self.cpu)
         shard, flight = reducing.shard, reducing.flight
         stream = streams.side_stream(self.device, "reduce") if streams is not None else None
         with streams.use(stream) if streams is not None else NOTHING:
@@ -393,7 +393,7 @@ class Reductions:
                                   [self.uid, REDUCE, self.shared.step, mask, self.shared.evaluating])
         replicate = switches.all_reduce_grads and not self.owes_all_reduce
         for plan in self.plans_for(trainable, switches, options, device):
-            what = naming.what("reduce-scatter") if plan.rt is not None else ""  # for a stream model or the hang watch
+            what = naming.what("reduce-scatter") if stream_runtime(plan.cpu) is not None else ""  # for a stream model, the hang watch
             with label(f"fullshard::reduce_scatter {naming.fqn}") if profiling() else NOTHING:
                 try:  # no_shard on gloo: its all-reduce checks the replicas' headers at once
                     reducing = plan.issue([full_grads.pop(p) for p in plan.params], self.shared.pool, replicate,

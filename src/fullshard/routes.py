@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import runtime
-from fullshard.runtime import MismatchedRows, failed_wait, streams_for
+from fullshard.runtime import MismatchedRows, failed_wait
 from fullshard.tags import HEADER_BYTES, HEADER_TAG, first_mismatch, header, header_elements, p2p_tag, read_header
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
@@ -125,9 +125,16 @@ def issued(works: list, *, reads: list[torch.Tensor], writes: list[torch.Tensor]
     return rt.launched(works, reads=reads, writes=writes) if rt.tracks else works
 
 
+def stream_runtime(cpu: bool):
+    """The runtime a plan on a CPU (`cpu`) or a GPU orders its streams and waits with now, None
+    where it needs none: the plain runtime on a CPU (Note [nothing per collective on a CPU])."""
+    rt = runtime.active
+    return None if cpu and rt is runtime.PLAIN else rt
+
+
 def wait_works(rt, works: list, flight: Flight, *, on_device: bool) -> None:
-    """The current stream waits for `works` (`rt`: the plan's runtime, streams_for); on the CPU
-    with the plain runtime the host waits here, up to the flight's timeout."""
+    """The current stream waits for `works` (`rt`: stream_runtime's); on the CPU with the plain
+    runtime the host waits here, up to the flight's timeout."""
     if rt is not None:
         rt.wait_works(works, timeout=flight.timeout, what=flight.what, on_device=on_device)
         return
@@ -152,7 +159,7 @@ class Route:
         self.world, self.rank = (group.size(), group.rank()) if group is not None else (1, 0)
         self.peers = [r for r in range(self.world) if r != self.rank]
         self.on_device = not runtime.active.host_memory(device)
-        self.rt = streams_for(device)  # None: nothing of the runtime per collective
+        self.cpu = device.type == "cpu"
         self.header = header(uid, kind, numel * dtype.itemsize)  # [2] int64, made once
 
     def send_buffer(self, pool: BufferPool, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +183,7 @@ class Route:
         """Wait for the collective (the headers first, checked: MismatchedRows) and return
         the peers' rows, those of the ranks before this one and after it ([n, numel] each;
         a native reduction: none)."""
-        wait_works(self.rt, flight.works, flight, on_device=self.on_device)
+        wait_works(stream_runtime(self.cpu), flight.works, flight, on_device=self.on_device)
         empty = torch.empty((0, self.numel), dtype=self.dtype, device=self.device)
         return empty, empty
 
@@ -223,7 +230,7 @@ class Native(Route):
         return Flight(works, None, sent, [], None, what, timeout)
 
     def finish(self, flight):
-        wait_works(self.rt, flight.works, flight, on_device=self.on_device)
+        wait_works(stream_runtime(self.cpu), flight.works, flight, on_device=self.on_device)
         rows = flight.received
         if rows is None:
             return super().finish(flight)
@@ -259,12 +266,13 @@ class PointToPoint(Route):
         return self.exchange([sent[r] for r in self.peers], pool, sent, what, timeout)
 
     def finish(self, flight):
-        if self.rt is not None:  # the headers are in host memory: the host reads them
-            self.rt.wait_host_works(flight.header_works, timeout=flight.timeout, what=flight.what)
+        rt = stream_runtime(self.cpu)
+        if rt is not None:  # the headers are in host memory: the host reads them
+            rt.wait_host_works(flight.header_works, timeout=flight.timeout, what=flight.what)
         else:
             wait_works(None, flight.header_works, flight, on_device=False)
         self.check(flight.headers, flight.works)
-        wait_works(self.rt, flight.works, flight, on_device=self.on_device)
+        wait_works(stream_runtime(self.cpu), flight.works, flight, on_device=self.on_device)
         rows = flight.received
         return rows[: self.rank], rows[self.rank :]
 
@@ -315,7 +323,7 @@ class AllToAll(Route):
         return self.send(sent, pool, what, timeout)
 
     def finish(self, flight):
-        wait_works(self.rt, flight.works, flight, on_device=self.on_device)
+        wait_works(stream_runtime(self.cpu), flight.works, flight, on_device=self.on_device)
         received = flight.received
         if not self.checked:
             return received[: self.rank], received[self.rank + 1 :]

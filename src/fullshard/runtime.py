@@ -55,21 +55,17 @@ log = logging.getLogger("fullshard")
 # cannot go on with them anyway): nothing waits for them at exit.
 
 
-# Note [nothing per collective on a CPU]: with the plain runtime on a CPU there is no stream
-# to order and the host itself waits, so a plan decides when it is made (`streams_for`) to make
-# no call of this seam per collective: it waits on the works itself (`failed_wait` only when
+# Note [nothing per collective on a CPU]: with the plain runtime (`PLAIN`) on a CPU there is
+# no stream to order and the host itself waits, so a plan, which knows from when it is made
+# whether its device is a CPU, makes no call of this seam per collective there
+# (routes.stream_runtime: one identity check): it waits on the works itself (`failed_wait` only when
 # one fails), skips the stream calls, and labels its work for a profiler only while one
 # records (`profiling()`, else `NOTHING`: a label is an op of its own, a few microseconds).
-# A stream model (fullshard.testing) or a GPU gets every call.
+# A stream model (fullshard.testing), installed before or after the plans were made, or a
+# GPU gets every call.
 NOTHING = contextlib.nullcontext()  # a `with` that does nothing: no label, no stream
 profiling = torch.autograd._profiler_enabled  # whether a profiler records now
 label = torch.profiler.record_function
-
-
-def streams_for(device: torch.device):
-    """The runtime a plan orders its streams and waits with, or None where it needs none (the
-    plain runtime on a CPU: Note [nothing per collective on a CPU])."""
-    return None if active.host_memory(device) and not active.tracks else active
 
 
 def failed_wait(works: list, error: RuntimeError) -> CollectiveError:
@@ -346,7 +342,7 @@ class Runtime:
         return tensor.tolist()
 
 
-active = Runtime()
+active = PLAIN = Runtime()  # PLAIN: the runtime training uses; a test may install another
 
 # Streams the compute stream must wait for before it next writes the shards (a background
 # save's copies of them, Note [background saves]): waited for by the optimizer's step, the

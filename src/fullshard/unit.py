@@ -41,6 +41,7 @@ from fullshard.mesh import ShardGroup, smaller_group
 from fullshard.options import UnitOptions, UnitSwitches
 from fullshard.param import OwnedParam, ShardedParam, has_extension, local_values, rows_first, shard_numel
 from fullshard.reduce import Reductions
+from fullshard.routes import stream_runtime
 from fullshard.runtime import NOTHING, label, profiling
 from fullshard.shared import Naming, Shared
 from fullshard.stats import new_counts
@@ -212,7 +213,7 @@ class Unit:
         plan = self.small_gather if small else self.gather
         with label(f"fullshard::gather {self.fqn}") if profiling() else NOTHING:
             try:
-                what = self.naming.what("all-gather") if plan.rt is not None else ""  # for a stream model or the hang watch
+                what = self.naming.what("all-gather") if stream_runtime(plan.cpu) is not None else ""  # for a stream model, the hang watch
                 self.gathering = plan.issue(self.layout.shards, self.shared.pool, what, self.timeout)
             except CollectiveError as e:
                 raise self.naming.failed("all-gather", e) from None
