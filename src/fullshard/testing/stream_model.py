@@ -127,12 +127,14 @@ class Tracking(TorchDispatchMode):
 
 
 def caller_site() -> str:
-    """file:line of the innermost fullshard frame on the stack (else the innermost outside this file)."""
+    """file:line of the innermost fullshard frame on the stack that is not the seam's (runtime.py,
+    routes.issued, which tells the model of a collective), else the innermost outside this file."""
     frame = sys._getframe(1)
     fallback = None
     while frame is not None:
         name = frame.f_code.co_filename
-        if "/fullshard/" in name and not name.endswith(("runtime.py", "stream_model.py")):
+        seam = name.endswith(("runtime.py", "stream_model.py")) or frame.f_code.co_name == "issued"
+        if "/fullshard/" in name and not seam:
             return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} ({frame.f_code.co_name})"
         if fallback is None and not name.endswith(("stream_model.py", "_python_dispatch.py", "contextlib.py")):
             fallback = f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
