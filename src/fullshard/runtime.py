@@ -1,4 +1,6 @@
-"""The accelerator seam: every stream, event, collective wait and host transfer of fullshard.
+"""The accelerator seam: every stream, event, collective wait and host transfer of fullshard
+(on a CPU with the plain runtime, the plans' collectives skip it: Note [nothing per
+collective on a CPU]).
 
 `runtime.active` forwards to torch.cuda on GPUs and does nothing but wait on the CPU; it
 also says what a device and a group are (`host_memory`, `backend`), which the plans read
