@@ -58,7 +58,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard import runtime
 from fullshard.checks import check_next_collective
-from fullshard.collectives import HEADERS, all_gather_ints, redistribute
+from fullshard.collectives import HEADERS, GatheringInts, all_gather_ints, finish_gather_ints, redistribute, \
+    start_gather_ints
 from fullshard.mesh import ShardGroup
 from fullshard.param import ShardedParam, local_values
 from fullshard.errors import CollectiveError
@@ -127,6 +128,7 @@ class Reducing:
     own: torch.Tensor | None  # this rank's packed row, when rows arrive to be summed here
     all_reduce_works: list | None = None
     traffic: list[tuple[str, int]] = field(default_factory=list)  # (collective, bytes this rank sent)
+    replica_headers: GatheringInts | None = None  # in flight since the issue, checked before the all-reduce
 
 
 # (applies, row format class), the last registered first: what register_row_format adds
@@ -185,6 +187,10 @@ class ReducePlan:
         streams = stream_runtime(self.cpu)
         route, how = self.route, self.averaging
         world, rank = route.world, route.rank
+        headers = None  # Note [named hangs]: issued now, so that they travel while the rows are reduce-scattered
+        if replicate and self.replicate_header is not None:
+            headers = start_gather_ints(self.replicate_header, device=torch.device("cpu"), group=self.replicate_pg,
+                                        what=HEADERS)
         shard = torch.empty(self.row_numel, dtype=self.dtype, device=self.device)  # [row_numel]
         all_here = True  # then every reduced flag is set
         for g in grads:  # a loop, not all(): per reduction, kept free of calls
@@ -216,7 +222,8 @@ class ReducePlan:
                 self.format.encode(rows, payload, pool)
                 flight = route.reduce(sent, shard, how.op, pool, what, timeout)
         reducing = Reducing(flight, shard, rows if rows is not None and rows is not payload else None, all_here,
-                            replicate and self.replicate_pg is not None, how.divide_after, scale, own)
+                            replicate and self.replicate_pg is not None, how.divide_after, scale, own,
+                            replica_headers=headers)
         if self.group.shard_pg is not None:
             reducing.traffic.append(("reduce_scatter", (world - 1) * self.format.wire_numel
                                      * self.format.wire_dtype.itemsize))
@@ -233,8 +240,10 @@ class ReducePlan:
         Note [named hangs])."""
         streams, stream = stream_runtime(self.cpu), None
         shard, group, flight = reducing.shard, self.replicate_pg, reducing.flight
-        if self.replicate_header is not None:
-            check_replicas(group, self.replicate_header, flight.timeout)
+        if reducing.replica_headers is not None:
+            everyone = finish_gather_ints(reducing.replica_headers, flight.timeout)
+            check_headers(torch.tensor(everyone, dtype=torch.int64), self.replicate_header, list(range(len(everyone))),
+                          [])
         if streams is not None:
             stream = streams.side_stream(self.device, "all_reduce")
             streams.wait_stream(stream, streams.side_stream(self.device, "reduce"))

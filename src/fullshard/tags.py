@@ -17,7 +17,9 @@ big it is (Note [named hangs]): functions over ints and tensors (units.py names 
 #   another unit or size are never matched with this receive. The header is waited for
 #   first, so a mismatch is seen at once;
 # - the all-reduce across replicas (gloo's own algorithm) is preceded by an all-gather of the
-#   headers, waited for (the host waits for gloo's collectives anyway).
+#   headers, issued with the reduction's reduce-scatter so that it travels while the rows are
+#   summed, and waited for before the all-reduce is issued (a row of another size would make
+#   gloo abort).
 # A peer that skipped a unit, ran another model or died makes the others wait until the
 # timeout (Unit.set_timeout), then raise an error naming the collective. NCCL's collectives
 # carry no header: there the first forward's check (root.py), debug checks and the hang watch
