@@ -12,7 +12,8 @@ from torch import nn
 import fullshard
 from fullshard.gpt import Block
 from fullshard.hooks import units_under
-from fullshard.low_precision import REDUCE_BLOCK, sent_bytes
+from fullshard.blocks import BLOCK
+from fullshard.low_precision import sent_bytes
 from fullshard.param import shard_numel
 from tests.models import overfit, tiny_gpt
 
@@ -55,15 +56,15 @@ def inputs_of(rank: int) -> dict[str, torch.Tensor]:
 
 def block_steps(x: torch.Tensor, world: int) -> torch.Tensor:
     """Per value of a rank's gradient `x` of a parameter sharded over `world` ranks, the step of
-    its int8 block: blocks of REDUCE_BLOCK start at each rank's row, s = max|x| / 127."""
+    its int8 block: blocks of BLOCK start at each rank's row, s = max|x| / 127."""
     numel = shard_numel(x.shape, world)
     rows = torch.zeros(world * numel, dtype=torch.float64)
     rows[: x.numel()] = x.abs()
-    blocks = -(-numel // REDUCE_BLOCK)
-    padded = torch.zeros(world, blocks * REDUCE_BLOCK, dtype=torch.float64)
+    blocks = -(-numel // BLOCK)
+    padded = torch.zeros(world, blocks * BLOCK, dtype=torch.float64)
     padded[:, :numel] = rows.view(world, numel)
-    steps = padded.view(world, blocks, REDUCE_BLOCK).amax(dim=2) / 127
-    return steps.repeat_interleave(REDUCE_BLOCK, dim=1)[:, :numel].reshape(-1)[: x.numel()]
+    steps = padded.view(world, blocks, BLOCK).amax(dim=2) / 127
+    return steps.repeat_interleave(BLOCK, dim=1)[:, :numel].reshape(-1)[: x.numel()]
 
 
 CONFIGS = {

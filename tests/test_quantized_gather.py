@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -19,27 +21,30 @@ from fullshard.quantize import Quantized, quantized_bytes
 from tests.models import overfit, tiny_gpt, token_batch
 
 
-def test_the_error_of_each_block_is_at_most_half_its_step():
+@pytest.mark.parametrize("block", [256, 64, 1000])
+def test_the_error_of_each_block_is_at_most_half_its_step(block):
     """One rank's shard through quantize and dequantize: every value within s/2 of its block's
-    s = max|x| / 127 (float32 arithmetic adds at most a few ulps), zeros exact."""
+    s = max|x| / 127 (float32 arithmetic adds at most a few ulps), zeros exact; for the default
+    block and for the other sizes MixedPrecisionPolicy(gather_block=...) offers."""
     generator = torch.Generator().manual_seed(0)
     shard = torch.randn(1000, generator=generator) * torch.logspace(-3, 2, 1000)  # blocks of unlike scales
     shard[256:512] = 0
     full = torch.empty(1000)
     param = SimpleNamespace(shard_numel=1000, full_padded=full, replicated=False)  # what the format reads
-    quantizer = Quantized(param, torch.float32, Context(UnitOptions(True, gather_dtype=torch.int8), shard.device, 1))
+    options = UnitOptions(True, gather_dtype=torch.int8, gather_block=block)
+    quantizer = Quantized(param, torch.float32, Context(options, shard.device, 1))
     q, scales = quantizer.inputs(shard)
-    assert q.dtype == torch.int8 and q.numel() == 1000 and scales.numel() == 4
+    assert q.dtype == torch.int8 and q.numel() == 1000 and scales.numel() == -(-1000 // block)
     quantizer.allocate(small=False)
     q_out, s_out = quantizer.outputs(small=False)
     q_out.copy_(q)
     s_out.copy_(scales)
     quantizer.after(small=False)
     error = (full - shard).abs()
-    step = scales.repeat_interleave(256)[:1000]
+    step = scales.repeat_interleave(block)[:1000]
     assert (error <= step / 2 * (1 + 1e-6)).all(), (error / step).max()
     assert torch.equal(full[256:512], shard[256:512])
-    assert quantized_bytes(1000, 256) == 1000 + 16
+    assert quantized_bytes(1000, block) == 1000 + 4 * -(-1000 // block)
 
 
 def test_float8_gathers_keep_each_value_within_its_relative_step():
@@ -109,10 +114,10 @@ def test_nonfinite_and_subnormal_weights_come_back_as_themselves_in_every_block_
             assert torch.equal(full[768:1024], shard[768:1024]), (dtype, host)  # a few ulps: exact
 
 
-def train(gather_dtype, steps: int = 6) -> dict:
+def train(gather_dtype, steps: int = 6, block: int = 256) -> dict:
     torch.manual_seed(0)
     model = tiny_gpt()
-    policy = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, gather_dtype=gather_dtype)
+    policy = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, gather_dtype=gather_dtype, gather_block=block)
     fullshard.shard_model(model, wrap={Block}, mp_policy=policy)
     with fullshard.stats(model) as stats:
         losses = overfit(model, steps)
@@ -121,7 +126,7 @@ def train(gather_dtype, steps: int = 6) -> dict:
     world = dist.get_world_size()
     predicted = 0  # Note [int8 gathers]'s formula, per parameter of each unit, times its gathers
     for unit in units_under(model):
-        per_gather = sum(quantized_bytes(p.shard_numel, 256) if p.sharded.dtype.is_floating_point and not p.replicated
+        per_gather = sum(quantized_bytes(p.shard_numel, block) if p.sharded.dtype.is_floating_point and not p.replicated
                          else p.shard_numel * 2 for p in unit.params)
         predicted += per_unit.get(unit.fqn, {}).get("gathers", 0) * (world - 1) * per_gather
     return {"losses": losses, "sent": sent, "predicted": predicted}
@@ -129,7 +134,9 @@ def train(gather_dtype, steps: int = 6) -> dict:
 
 def int8_job() -> dict:
     int8, bf16, float8 = train(torch.int8), train(None), train(torch.float8_e4m3fn)
+    small = train(torch.int8, block=16)  # more scales: more bytes, a finer step
     return {"sent": int8["sent"], "predicted": int8["predicted"], "ratio": int8["sent"] / bf16["sent"],
+            "block 16": small,
             "losses": int8["losses"], "bf16 losses": bf16["losses"], "float8 losses": float8["losses"],
             "float8 sent": float8["sent"]}
 
@@ -150,6 +157,12 @@ def test_int8_gathers_send_the_formula_s_bytes_and_train_like_bf16_gathers(world
         assert got["float8 sent"] == got["sent"], got
         for a, b in zip(got["float8 losses"], got["bf16 losses"]):
             assert abs(a - b) <= 0.03 * b, got
+        # gather_block=16: the formula's bytes for that block, more than 256's, and the losses
+        # as close to bf16 gathers' (each value within half a step of a block 16 times smaller)
+        small = got["block 16"]
+        assert small["sent"] == small["predicted"] > got["sent"], got
+        for a, b in zip(small["losses"], got["bf16 losses"]):
+            assert abs(a - b) <= 0.02 * b, got
 
 
 def int_reshard_job() -> dict:

@@ -25,9 +25,15 @@ from __future__ import annotations
 
 import torch
 
+BLOCK = 256  # values per scale: the gathers' default (MixedPrecisionPolicy.gather_block) and the rows'
 FLOAT32_MAX = torch.finfo(torch.float32).max
 NORMAL = torch.finfo(torch.float32).tiny  # the smallest normal float32: below it, scales are subnormal
 SUBNORMAL = 2.0**-149  # float32's subnormal grid
+
+
+def blocks_of(numel: int, block: int = BLOCK) -> int:
+    """How many blocks (and scales) `numel` values take, the last one shorter if need be."""
+    return -(-numel // block)
 
 
 class Codes:

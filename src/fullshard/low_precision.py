@@ -1,7 +1,7 @@
 """Gradients sent in low precision and summed in float32: a row format of reduce.py.
 
 # Note [low-precision reductions]: with MixedPrecisionPolicy(reduce_send_dtype=...), each rank's
-# rows of a unit's reduce-scatter go on the wire as bf16, or as int8 in blocks of REDUCE_BLOCK
+# rows of a unit's reduce-scatter go on the wire as bf16, or as int8 in blocks of BLOCK
 # values with one float32 scale each (ZeRO++'s qgZ: s = max|x| / 127 over the block, q = round(x /
 # s); an inf or NaN arrives as itself, Note [block codes]); every block lies inside one parameter's
 # row (or the has-gradient flags'), so a parameter of small gradients never shares a scale with one
@@ -13,7 +13,7 @@
 # partial sum at every hop of its ring, an error that grows with the world (docs/precision.md
 # measures both). So the rows never go through a backend's reduction: on NCCL they move as one
 # all_to_all, on gloo by its usual routes (Note [collective choice]). A peer's row costs bf16's 2
-# bytes a value, or int8's 1 + 4 / REDUCE_BLOCK (and up to 3 bytes of padding a row), against 4 for
+# bytes a value, or int8's 1 + 4 / BLOCK (and up to 3 bytes of padding a row), against 4 for
 # float32. The all-reduce across replicas (hybrid sharding, no_shard) sends the reduce dtype as
 # before.
 """
@@ -22,17 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from fullshard.blocks import Codes, decode, encode_, flagged
+from fullshard.blocks import BLOCK, Codes, blocks_of, decode, encode_, flagged
 from fullshard.options import UnitOptions
 from fullshard.reduce import register_row_format
 from fullshard.routes import BufferPool
 
-REDUCE_BLOCK = 256  # values per scale of an int8 row
 INT8 = Codes(torch.int8)
-
-
-def blocks_of(numel: int) -> int:
-    return -(-numel // REDUCE_BLOCK)
 
 
 def sent_bytes(segments: list[int], send_dtype: torch.dtype) -> int:
@@ -76,15 +71,15 @@ class LowPrecision:
             payload.copy_(rows)
             return
         world = rows.size(0)
-        padded = pool.take((world, self.blocks * REDUCE_BLOCK), torch.float32, rows.device)  # blocks in place
+        padded = pool.take((world, self.blocks * BLOCK), torch.float32, rows.device)  # blocks in place
         padded.zero_()
         for start, block, n in self.segments:
-            padded[:, block * REDUCE_BLOCK : block * REDUCE_BLOCK + n].copy_(rows[:, start : start + n])
-        scales = encode_(padded.view(world, self.blocks, REDUCE_BLOCK), INT8, self.host)  # [world, blocks]
+            padded[:, block * BLOCK : block * BLOCK + n].copy_(rows[:, start : start + n])
+        scales = encode_(padded.view(world, self.blocks, BLOCK), INT8, self.host)  # [world, blocks]
         payload[:, : self.scale_bytes].view(torch.float32).copy_(scales)
         q = payload[:, self.scale_bytes : self.scale_bytes + self.numel].view(torch.int8)
         for start, block, n in self.segments:
-            q[:, start : start + n].copy_(padded[:, block * REDUCE_BLOCK : block * REDUCE_BLOCK + n])
+            q[:, start : start + n].copy_(padded[:, block * BLOCK : block * BLOCK + n])
         pool.give(padded)
 
     def add(self, total: torch.Tensor, row: torch.Tensor, alpha: float) -> None:
@@ -96,13 +91,13 @@ class LowPrecision:
         q = row[self.scale_bytes : self.scale_bytes + self.numel].view(torch.int8)
         full = flagged(scales, self.host)
         for start, block, n in self.segments:
-            whole = n // REDUCE_BLOCK
+            whole = n // BLOCK
             if whole:  # q * s, block by block, with no float32 copy of q
-                end = start + whole * REDUCE_BLOCK
-                decode(q[start:end].view(whole, REDUCE_BLOCK), scales[block : block + whole, None],
-                       total[start:end].view(whole, REDUCE_BLOCK), INT8, full=full, add=True, alpha=alpha)
-            if n % REDUCE_BLOCK:  # the segment's last, shorter block
-                last = start + whole * REDUCE_BLOCK
+                end = start + whole * BLOCK
+                decode(q[start:end].view(whole, BLOCK), scales[block : block + whole, None],
+                       total[start:end].view(whole, BLOCK), INT8, full=full, add=True, alpha=alpha)
+            if n % BLOCK:  # the segment's last, shorter block
+                last = start + whole * BLOCK
                 decode(q[last : start + n], scales[block + whole : block + whole + 1], total[last : start + n],
                        INT8, full=full, add=True, alpha=alpha)
 

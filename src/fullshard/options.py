@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from fullshard.blocks import BLOCK
 from fullshard.errors import fail
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # of every collective until set_timeout, Note [named hangs]
@@ -29,7 +30,7 @@ class UnitOptions:
     offload: bool = False  # shards and their gradients live on the CPU
     pin_memory: bool = False
     gather_dtype: torch.dtype | None = None  # int8 or float8: block-quantized gathers (Note [int8 gathers])
-    gather_block: int = 256  # values per scale of a quantized gather
+    gather_block: int = BLOCK  # values per scale of a quantized gather
     reduce_send_dtype: torch.dtype | None = None  # Note [low-precision reductions]
 
 

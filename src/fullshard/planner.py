@@ -47,7 +47,8 @@ from fullshard.low_precision import sent_bytes
 from fullshard.optim import muon_groups, newton_schulz_flops
 from fullshard.param import shard_numel
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
-from fullshard.quantize import GATHER_BLOCK, quantized_bytes
+from fullshard.blocks import BLOCK
+from fullshard.quantize import quantized_bytes
 from fullshard.stats import process_memory, return_freed_memory
 from fullshard.wrap import choose_units, recompute, shard_model
 
@@ -355,7 +356,7 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     rows = [n + u.trainable for n, u in zip(shard, units)]  # + has-gradient flags
     full = [F * n * compute for n in shard]  # a unit's full storage
     if c.gather == "int8":  # what a rank's shard of each unit takes on the wire, Note [int8 gathers]
-        wire = [sum(quantized_bytes(shard_numel(s, F), GATHER_BLOCK) if len(s) else compute for s in u.shards)
+        wire = [sum(quantized_bytes(shard_numel(s, F), BLOCK) if len(s) else compute for s in u.shards)
                 for u in units]
     else:
         wire = [n * compute for n in shard]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fullshard.blocks import BLOCK
 from fullshard.errors import fail
 
 # what MixedPrecisionPolicy offers: block-quantized gathers (quantize.py), rows sent for a
@@ -47,7 +48,7 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     gather_dtype: torch.dtype | None = None
-    gather_block: int = 256
+    gather_block: int = BLOCK
     reduce_send_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:

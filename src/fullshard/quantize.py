@@ -24,16 +24,13 @@ from __future__ import annotations
 import torch
 
 from fullshard import runtime
-from fullshard.blocks import Codes, decode, encode_, flagged
+from fullshard.blocks import Codes, blocks_of, decode, encode_, flagged
 from fullshard.gather import Context, Plain, register_format
 from fullshard.param import ShardedParam
 
-GATHER_BLOCK = 256  # values per scale: the default of MixedPrecisionPolicy.gather_block
-
-
 def quantized_bytes(numel: int, block: int) -> int:
     """What one rank's shard of `numel` values takes on the wire (Note [int8 gathers])."""
-    return numel + 4 * -(-numel // block)
+    return numel + 4 * blocks_of(numel, block)
 
 
 class Quantized(Plain):
@@ -48,7 +45,7 @@ class Quantized(Plain):
         self.codes = Codes(self.qdtype)
         self.host = runtime.active.host_memory(device)  # the scales readable at no cost (Note [block codes])
         self.numel = p.shard_numel
-        self.blocks = -(-self.numel // self.block)
+        self.blocks = blocks_of(self.numel, self.block)
         self.dtypes, self.numels = [self.qdtype, torch.float32], [self.numel, self.blocks]
         # every rank's q ([world * numel] int8 or float8) and scales ([world * blocks] float32)
         self.q = torch.empty(0, dtype=self.qdtype, device=device)
