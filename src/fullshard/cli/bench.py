@@ -38,6 +38,7 @@ from pathlib import Path
 
 BATCHES = {"15m": (8, 128), "100m": (4, 128)}  # preset (fullshard.gpt.PRESETS) -> (global batch, sequence)
 IMPLS = ["fullshard", "fsdp2", "fsdp1", "ddp", "single"]
+RUN_TIMEOUT_S = 600  # one torchrun launch: its steps take seconds to minutes
 
 
 def build_model(preset: str):
@@ -235,7 +236,11 @@ def launch_once(impl: str, preset: str, dtype: str, steps: int, warmup: int) -> 
                f"--nproc_per_node={1 if impl == 'single' else 2}", "-m", "fullshard.cli.bench", "--worker", "--impl", impl,
                "--preset", preset, "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        try:  # a run that hangs (a rank stuck at exit) fails, and is retried once, instead of stopping the bench
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"{impl} {preset} {dtype} did not end within {RUN_TIMEOUT_S} s:\n"
+                               f"{(e.stderr or b'')[-4000:]!r}") from None
         if done.returncode:
             raise RuntimeError(f"{impl} {preset} {dtype} failed:\n{done.stderr[-4000:]}")
         return json.loads(out.read_text())
