@@ -155,7 +155,6 @@ class CollectiveLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, int]] = []
-        self.sent: list[tuple[str, int, int]] = []  # (name, elements, bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
@@ -163,17 +162,16 @@ class CollectiveLog(TorchDispatchMode):
                 else args[0]
             tensors = sent if isinstance(sent, (list, tuple)) else [sent]
             self.calls.append((func.__name__.split(".")[0], sum(t.numel() for t in tensors)))
-            self.sent.append((*self.calls[-1], sum(t.nbytes for t in tensors)))
         return func(*args, **(kwargs or {}))
 
     def sizes(self, prefix: str) -> list[int]:
         return sorted(numel for name, numel in self.calls if name.startswith(prefix))
 
     def messages(self, world: int, itemsize: int) -> list[int]:
-        """The elements of each message to one peer, sorted: every point-to-point send but the
-        headers, and each peer's row of every all_to_all (which moves the rows' bytes: `itemsize`
-        bytes an element) less the header leading it (Note [named hangs] in fullshard.tags)."""
+        """The elements of each peer's row of every all_to_all (which moves the rows' bytes:
+        `itemsize` bytes an element) less the header leading it (Note [named hangs] in
+        fullshard.tags), sorted: the messages of collectives small enough for that route."""
+        assert not any(name.startswith("send") for name, _ in self.calls), "a collective took the point-to-point route"
         lead = HEADER_BYTES // itemsize
         rows = [numel // itemsize // world - lead for name, numel in self.calls if name.startswith("alltoall")]
-        sends = [numel for name, numel, in_bytes in self.sent if name.startswith("send") and in_bytes != HEADER_BYTES]
-        return sorted(sends + rows * (world - 1))
+        return sorted(rows * (world - 1))

@@ -11,9 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import fullshard
 from fullshard import routes
 from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.routes import FIRST_BYTES
+from fullshard.tags import HEADER_BYTES, HEADER_TAG
 from tests.models import SEQ, VOCAB, token_batch
 from tests.reference import global_batches, local_slice
 from tests.test_errors import raises
@@ -137,8 +141,51 @@ def test_two_models_in_another_order_fail_every_rank_at_once_naming_both(world_s
         print(f"world {world_size}, {order} {widths} on {route}: every rank's error within {slowest:.3f} s")
 
 
+class Messages(TorchDispatchMode):
+    """Every c10d operation this rank issues: (name, bytes it sends, tag of a point-to-point send)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int, int | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func.__name__.split(".")[0]
+            sent = args[1] if name in ("_allgather_base_", "alltoall_base_") else args[0]
+            tensors = sent if isinstance(sent, (list, tuple)) else [sent]
+            self.ops.append((name, sum(t.nbytes for t in tensors), args[3] if name == "send" else None))
+        return func(*args, **(kwargs or {}))
+
+
+def messages_job(strategy: str, width: int) -> list[tuple[str, int, int | None]]:
+    """The c10d operations of one training step's backward (after the first) of a GPT of `width`."""
+    torch.manual_seed(0)
+    model = gpt(width)
+    fullshard.shard_model(model, wrap={Block}, strategy=strategy)
+    model(*batch()).backward()
+    loss = model(*batch())
+    with Messages() as log:
+        loss.backward()
+    return log.ops
+
+
+def test_headers_travel_inside_the_rows(world2, world4):
+    """Note [named hangs]: no header is a message of its own, or a collective of its own that the
+    rows wait for. Width 192: blocks of 0.9 MB per rank, point-to-point (two messages a peer,
+    the first the header with the rows' first 64 KiB); no_shard: the all-reduce across replicas,
+    over 2 replicas (every row to the other) and 4 (a reduce-scatter, then an all-gather)."""
+    for world, strategy, width in ((world2, "full_shard", 192), (world2, "no_shard", 32), (world4, "no_shard", 32)):
+        for ops in world.run(messages_job, strategy=strategy, width=width):
+            names = {name for name, _, _ in ops}
+            assert names <= {"send", "recv_", "alltoall_base_"}, (strategy, names)  # no all-gather of headers
+            heads = [nbytes for name, nbytes, tag in ops if name == "send" and tag == HEADER_TAG]
+            assert all(nbytes > HEADER_BYTES for nbytes in heads), (strategy, heads)  # rows with every header
+            if width == 192:  # each first message carries 64 KiB of rows
+                assert heads and all(nbytes == HEADER_BYTES + FIRST_BYTES for nbytes in heads), heads
+
+
 def no_shard_job() -> dict:
-    """no_shard: every exchange is the all-reduce across replicas, which gloo runs itself."""
+    """no_shard: every exchange is the all-reduce across replicas."""
     torch.manual_seed(0)
     a, b = gpt(32), gpt(48)
     for model in (a, b):
@@ -149,8 +196,10 @@ def no_shard_job() -> dict:
     return timed(lambda: [model(*batch()).backward() for model in sequence])
 
 
-def test_models_swapped_under_no_shard_fail_naming_both():
-    with World(2, forked=True) as world:
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_models_swapped_under_no_shard_fail_naming_both(world_size):
+    # 4 replicas: the all-reduce is two rounds (Note [replica sums]); each is named
+    with World(world_size, forked=True) as world:
         results = world.run(no_shard_job)
     for got in results:
         assert "all-reduce across replicas of unit" in got["message"] and " received the all-reduce across replicas " \

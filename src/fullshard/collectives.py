@@ -48,8 +48,7 @@ def site(what: str) -> str:
     return what
 
 
-INTEGERS, JSON_LENGTHS, HEADERS = (site("an all-gather of integers"), site("the lengths of an all-gather of JSON"),
-                                   site("the headers of an all-reduce across replicas"))
+INTEGERS, JSON_LENGTHS = site("an all-gather of integers"), site("the lengths of an all-gather of JSON")
 
 
 def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, timeout: timedelta,
@@ -61,26 +60,6 @@ def all_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, t
     would make gloo abort the process (Note [named hangs]). Plain tensors even inside a
     torch.func transform (a forward under torch.func.jvp checks its first forward with one:
     torch before 2.10 cannot read back a tensor the transform wrapped)."""
-    gathering = start_gather_ints(values, device=device, group=group, what=what)
-    return finish_gather_ints(gathering, timeout)
-
-
-@dataclass
-class GatheringInts:
-    """all_gather_ints in flight: its frames' all-gather, and what it checks them against."""
-
-    works: list
-    frames: torch.Tensor  # [world * FRAME]
-    mine: torch.Tensor
-    code: int
-    what: str
-    group: dist.ProcessGroup | None
-
-
-def start_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device, group: dist.ProcessGroup | None,
-                      what: str) -> GatheringInts:
-    """Issue all_gather_ints' frames without waiting, so that they travel while other work runs
-    (the headers of an all-reduce across replicas, issued with its reduce-scatter)."""
     code = zlib.crc32(what.encode())
     with torch._C._DisableFuncTorch():
         mine = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64, device=device)
@@ -90,25 +69,13 @@ def start_gather_ints(values: list[int] | torch.Tensor, *, device: torch.device,
         frame[1].fill_(n)
         if n <= FRAME - 2:
             frame[2 : 2 + n].copy_(mine.reshape(-1))
-        frames = torch.empty(dist.get_world_size(group) * FRAME, dtype=torch.int64, device=device)
-        works = launched([_all_gather_single(frames, frame, group=group, async_op=True)], reads=[frame], writes=[frames])
-    return GatheringInts(works, frames, mine, code, what, group)
-
-
-def finish_gather_ints(gathering: GatheringInts, timeout: timedelta) -> list[list[int]]:
-    """Wait for start_gather_ints' frames and return every rank's values (MismatchedCall when a
-    rank reached another call)."""
-    caller, mine, code = Caller(gathering.what, timeout), gathering.mine, gathering.code
-    with torch._C._DisableFuncTorch():
-        wait_all(gathering.works, caller, on_device=gathering.frames.device.type == "cuda")
-        frames = runtime.active.read_on_host(gathering.frames.view(-1, FRAME), timeout=timeout, what=gathering.what)
-        n = mine.numel()
+        frames = gather_rows(frame, group, Caller(what, timeout))
         for peer, (their_site, their_n, *_) in enumerate(frames):
             if (their_site, their_n) != (code, n):
-                raise MismatchedCall(gathering.what, peer, SITES.get(their_site, "another of fullshard's collectives"))
+                raise MismatchedCall(what, peer, SITES.get(their_site, "another of fullshard's collectives"))
         if n <= FRAME - 2:
             return [row[2 : 2 + n] for row in frames]
-        return gather_rows(mine.to(torch.int64), gathering.group, caller)
+        return gather_rows(mine.to(torch.int64), group, Caller(what, timeout))
 
 
 def gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None, caller: Caller) -> list[list]:

@@ -193,7 +193,7 @@ class GatherPlan:
                      for t, dtype in zip(sources, dtypes)]
             route = self.route(sum(sizes))
             one = sources[0] if len(sources) == 1 else None
-            if route.lead or one is None or one.dtype != self.wire_dtype or \
+            if route.staged or one is None or one.dtype != self.wire_dtype or \
                     streams is not None and streams.elsewhere(one, self.device):  # in host memory, for a GPU
                 sent, payload = route.send_buffer(pool, 1)
                 self.stage(sources, dtypes, sizes, payload, pool, streams)

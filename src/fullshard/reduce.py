@@ -14,8 +14,9 @@ blocks, summed in float32 where they arrive), chosen by the unit's options
 # by 1/n first); elsewhere the sum is divided afterwards. Each rank's rows are added in rank
 # order. Where rows arrive to be summed (gloo's routes, a row format that sums in float32),
 # bf16 rows are added in a float32 scratch row and divided there, so the row is rounded to
-# the reduce dtype once. The all-reduce across replicas (hybrid, no_shard) and NCCL's
-# reduce-scatter sum in the reduce dtype inside the backend.
+# the reduce dtype once. On gloo the all-reduce across replicas adds them in float32 too,
+# rounding their sum once (Note [replica sums]). NCCL's collectives sum in the reduce dtype
+# inside the backend.
 #
 # Note [no overflow]: a sum of n gradients can overflow where their average does not (two of
 # 3e38). Multiplying every addend by 2^-k, the power of two with 2^k >= n, keeps every partial
@@ -28,6 +29,16 @@ blocks, summed in float32 where they arrive), chosen by the unit's options
 # (ReduceOp.SUM), and a row before gloo's all-reduce across replicas, whose inputs are gone
 # once it has summed. `Reducing.scale` is what the row was multiplied by, divided out at the
 # end.
+#
+# Note [replica sums]: on gloo the all-reduce across replicas is no collective of gloo's own
+# but rows over the routes of routes.py, each led by the unit's header (Note [named hangs]),
+# so that a replica at another collective is named at once. With two replicas each sends its
+# row to the other and both add the two (the same sum in either order): one round, the bytes
+# of a ring all-reduce. With R > 2, a reduce-scatter of the row's R chunks (each replica
+# sums one chunk, in replica order) then an all-gather of the sums: the ring's 2(R - 1)/R
+# of the row, in two rounds. Either way every replica holds bitwise the same row; bf16
+# rows are added in float32 and rounded once. NCCL's all-reduce is NCCL's own (it
+# averages, Note [averaging]), with no header.
 #
 # Note [landing]: a reduced row becomes the shards' gradients on the compute stream as soon
 # as it is waited for, unless the host must see it first: with CPU offload (the row is copied
@@ -58,14 +69,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard import runtime
 from fullshard.checks import check_next_collective
-from fullshard.collectives import HEADERS, GatheringInts, all_gather_ints, finish_gather_ints, redistribute, \
-    start_gather_ints
+from fullshard.collectives import redistribute
 from fullshard.mesh import ShardGroup
 from fullshard.param import ShardedParam, local_values
 from fullshard.errors import CollectiveError
-from fullshard.routes import BufferPool, Flight, all_reduce, check_headers, route_for, stream_runtime, wait_works
+from fullshard.routes import BufferPool, Flight, Route, all_reduce, route_for, stream_runtime, wait_works
 from fullshard.runtime import NOTHING, label, profiling
-from fullshard.tags import ALL_REDUCE, REDUCE, header
+from fullshard.tags import ALL_REDUCE, ALL_REDUCE_GATHER, REDUCE
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -126,9 +136,8 @@ class Reducing:
     divide_after: float
     scale: float  # what the row was multiplied by, Note [no overflow]
     own: torch.Tensor | None  # this rank's packed row, when rows arrive to be summed here
-    all_reduce_works: list | None = None
+    all_reduce: Flight | None = None  # the all-reduce across replicas, once issued
     traffic: list[tuple[str, int]] = field(default_factory=list)  # (collective, bytes this rank sent)
-    replica_headers: GatheringInts | None = None  # in flight since the issue, checked before the all-reduce
 
 
 # (applies, row format class), the last registered first: what register_row_format adds
@@ -176,8 +185,8 @@ class ReducePlan:
             self.scale_first, self.scale_on_overflow, self.replica_scale = shard_scale * replica_scale, 1.0, 1.0
         else:
             self.scale_first, self.scale_on_overflow, self.replica_scale = 1.0, 1.0, replica_scale
-        self.replicate_header = header(uid, ALL_REDUCE, self.row_numel * dtype.itemsize) if checks_replicas(
-            replicate_pg, device) else None  # Note [named hangs]
+        self.replica_sum = ReplicaSum(replicate_pg, device, self.row_numel, dtype, uid, self.averaging.op) \
+            if replicate_pg is not None else None
         self.grad_specs = [(p, p.spec_for(p.sharded.dtype)) for p in params]  # the sharded gradients' DTensors
 
     def issue(self, grads: list[torch.Tensor | None], pool: BufferPool, replicate: bool, what: str,
@@ -187,10 +196,6 @@ class ReducePlan:
         streams = stream_runtime(self.cpu)
         route, how = self.route, self.averaging
         world, rank = route.world, route.rank
-        headers = None  # Note [named hangs]: issued now, so that they travel while the rows are reduce-scattered
-        if replicate and self.replicate_header is not None:
-            headers = start_gather_ints(self.replicate_header, device=torch.device("cpu"), group=self.replicate_pg,
-                                        what=HEADERS)
         shard = torch.empty(self.row_numel, dtype=self.dtype, device=self.device)  # [row_numel]
         all_here = True  # then every reduced flag is set
         for g in grads:  # a loop, not all(): per reduction, kept free of calls
@@ -217,13 +222,12 @@ class ReducePlan:
             streams.wait_stream(stream, streams.current_stream(self.device))
         with streams.use(stream) if streams is not None else NOTHING:
             if sent is None:  # no shard group: the row is the shard itself, never the pool's to take back
-                flight = Flight([], None, None, [], None, what, timeout)
+                flight = Flight([], None, None, what, timeout)
             else:
                 self.format.encode(rows, payload, pool)
                 flight = route.reduce(sent, shard, how.op, pool, what, timeout)
         reducing = Reducing(flight, shard, rows if rows is not None and rows is not payload else None, all_here,
-                            replicate and self.replicate_pg is not None, how.divide_after, scale, own,
-                            replica_headers=headers)
+                            replicate and self.replicate_pg is not None, how.divide_after, scale, own)
         if self.group.shard_pg is not None:
             reducing.traffic.append(("reduce_scatter", (world - 1) * self.format.wire_numel
                                      * self.format.wire_dtype.itemsize))
@@ -231,19 +235,14 @@ class ReducePlan:
             with streams.use(stream) if streams is not None else NOTHING:
                 route.finish(flight)
             flight.works = []
-            self.start_all_reduce(reducing)
+            self.start_all_reduce(reducing, pool)
         return reducing
 
-    def start_all_reduce(self, reducing: Reducing) -> None:
+    def start_all_reduce(self, reducing: Reducing, pool: BufferPool) -> None:
         """Issue the all-reduce of the row across replicas on the all-reduce stream, after the
-        reduce stream (on gloo, once every replica's header says it reduces the same row:
-        Note [named hangs])."""
+        reduce stream (Note [replica sums])."""
         streams, stream = stream_runtime(self.cpu), None
-        shard, group, flight = reducing.shard, self.replicate_pg, reducing.flight
-        if reducing.replica_headers is not None:
-            everyone = finish_gather_ints(reducing.replica_headers, flight.timeout)
-            check_headers(torch.tensor(everyone, dtype=torch.int64), self.replicate_header, list(range(len(everyone))),
-                          [])
+        shard, flight = reducing.shard, reducing.flight
         if streams is not None:
             stream = streams.side_stream(self.device, "all_reduce")
             streams.wait_stream(stream, streams.side_stream(self.device, "reduce"))
@@ -251,8 +250,8 @@ class ReducePlan:
             if self.replica_scale != 1:  # Note [no overflow]
                 shard.mul_(self.replica_scale)
                 reducing.scale *= self.replica_scale
-            reducing.all_reduce_works = all_reduce(shard, self.averaging.op, group)
-        reducing.traffic.append(("all_reduce", all_reduce_bytes(shard.numel(), shard.element_size(), group.size())))
+            reducing.all_reduce = self.replica_sum.issue(shard, pool, flight.what, flight.timeout)
+        reducing.traffic.append(("all_reduce", self.replica_sum.sent_bytes(shard)))
 
     def finish(self, reducing: Reducing, pool: BufferPool) -> torch.Tensor:
         """Wait for the reduction; return this rank's row averaged over the data-parallel ranks,
@@ -261,7 +260,7 @@ class ReducePlan:
         shard, flight = reducing.shard, reducing.flight
         stream = streams.side_stream(self.device, "reduce") if streams is not None else None
         with streams.use(stream) if streams is not None else NOTHING:
-            if flight.works or flight.header_works:
+            if flight.works or flight.first_works:
                 before, after = self.route.finish(flight)
                 if self.sums_here:  # own row first, then the peers' in rank order, Note [averaging]
                     total = shard
@@ -280,13 +279,13 @@ class ReducePlan:
                         shard.copy_(total.div_(reducing.divide_after * reducing.scale))
                         reducing.divide_after = reducing.scale = 1
                         pool.give(total)
-        if reducing.replicated and reducing.all_reduce_works is None:  # gloo: now the row is summed
-            self.start_all_reduce(reducing)
-        last = streams.side_stream(self.device, "all_reduce") if reducing.all_reduce_works and streams is not None \
+        if reducing.replicated and reducing.all_reduce is None:  # gloo: now the row is summed
+            self.start_all_reduce(reducing, pool)
+        last = streams.side_stream(self.device, "all_reduce") if reducing.all_reduce and streams is not None \
             else stream
         with streams.use(last) if streams is not None else NOTHING:
-            if reducing.all_reduce_works:
-                wait_works(streams, reducing.all_reduce_works, flight, on_device=self.on_device)
+            if reducing.all_reduce is not None:
+                self.replica_sum.finish(reducing.all_reduce, shard, pool, streams)
             if reducing.divide_after * reducing.scale != 1:
                 shard.div_(reducing.divide_after * reducing.scale)
         if streams is not None:
@@ -483,7 +482,7 @@ class Reductions:
         collective = "all-reduce across replicas"
         try:
             nbytes, back = owed_all_reduce([p for p in self.params if p.sharded.requires_grad], self.group, device,
-                                           self.uid, self.naming.what(collective), timeout)
+                                           self.uid, self.shared.pool, self.naming.what(collective), timeout)
         except CollectiveError as e:
             raise self.naming.failed(collective, e) from None
         self.counts["all_reduces"] += 1
@@ -491,8 +490,8 @@ class Reductions:
         return back
 
 
-def owed_all_reduce(params: list[ShardedParam], group: ShardGroup, device: torch.device, uid: int, what: str,
-                    timeout: timedelta) -> tuple[int, bool]:
+def owed_all_reduce(params: list[ShardedParam], group: ShardGroup, device: torch.device, uid: int,
+                    pool: BufferPool, what: str, timeout: timedelta) -> tuple[int, bool]:
     """Sum the sharded gradients of `params` over the replicas (the all-reduce owed since
     set_requires_all_reduce(False)): one all-reduce per master dtype, in device memory (NCCL
     reads nothing else). Returns the bytes this rank sent and whether gradients were copied
@@ -509,12 +508,10 @@ def owed_all_reduce(params: list[ShardedParam], group: ShardGroup, device: torch
     for dtype in dict.fromkeys(t.dtype for t in moved):
         tensors = [t for t in moved if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in tensors])  # [sum of numels]
-        if checks_replicas(group_pg, device):  # Note [named hangs]
-            check_replicas(group_pg, header(uid, ALL_REDUCE, flat.nbytes), timeout)
-        works = all_reduce(flat, dist.ReduceOp.SUM, group_pg)
-        rt.wait_works(works, timeout=timeout, what=what, on_device=not rt.host_memory(device))
+        replicas = ReplicaSum(group_pg, device, flat.numel(), dtype, uid, dist.ReduceOp.SUM)
+        replicas.finish(replicas.issue(flat, pool, what, timeout), flat, pool, runtime.active)
         torch.split_with_sizes_copy(flat, [t.numel() for t in tensors], out=[t.view(-1) for t in tensors])
-        nbytes += all_reduce_bytes(flat.numel(), flat.element_size(), group_pg.size())
+        nbytes += replicas.sent_bytes(flat)
     back = [(grad, device_grad) for grad, device_grad in zip(grads, moved) if device_grad is not grad]
     for grad, device_grad in back:
         rt.copy_(grad, device_grad)
@@ -537,20 +534,87 @@ def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
     return 2 * (size - 1) * numel * element_size // size
 
 
-def checks_replicas(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether an all-reduce across replicas over `group` is preceded by the headers' all-gather
-    (Note [named hangs]): on gloo in host memory, whose waits block the host anyway; not where it
-    would be a host sync (a GPU's)."""
-    rt = runtime.active
-    return group is not None and rt.backend(group, device) == "gloo" and rt.host_memory(device)
+class ReplicaSum:
+    """The all-reduce of a row of `numel` elements of `dtype` across the replicas of `group`
+    (Note [replica sums]): NCCL's own (`op`), or on gloo the rows over fullshard's routes."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, numel: int, dtype: torch.dtype, uid: int,
+                 op: dist.ReduceOp) -> None:
+        self.group, self.op, self.numel = group, op, numel
+        self.size, self.rank = group.size(), group.rank()
+        self.route: Route = route_for(group, device, numel, dtype, uid=uid, kind=ALL_REDUCE)
+        self.native = self.route.name == "native"
+        self.chunk = math.ceil(numel / self.size)  # R > 2: the elements each replica sums
+        if not self.native and self.size > 2:
+            self.route = route_for(group, device, self.chunk, dtype, uid=uid, kind=ALL_REDUCE)
+            self.second = route_for(group, device, self.chunk, dtype, uid=uid, kind=ALL_REDUCE_GATHER)
+
+    def issue(self, row: torch.Tensor, pool: BufferPool, what: str, timeout: timedelta) -> Flight:
+        """Start the all-reduce of `row` ([numel]); `finish` sums into it."""
+        route = self.route
+        if self.native:
+            return Flight(all_reduce(row, self.op, self.group), None, None, what, timeout)
+        if self.size == 2:
+            sent, payload = route.send_buffer(pool, 1) if route.staged else (None, row)
+            if sent is not None:
+                payload.copy_(row)
+            return route.gather(payload, sent, pool, what, timeout)
+        sent, chunks = route.send_buffer(pool, self.size)  # [R, chunk]
+        whole, rest = divmod(self.numel, self.chunk)  # chunks all of the row's, then one part of it
+        chunks[:whole].copy_(row[: whole * self.chunk].view(whole, self.chunk))
+        if whole < self.size:
+            chunks[whole, :rest].copy_(row[whole * self.chunk :])
+            chunks[whole, rest:].zero_()
+            chunks[whole + 1 :].zero_()
+        return route.reduce(sent, None, self.op, pool, what, timeout)
+
+    def finish(self, flight: Flight, row: torch.Tensor, pool: BufferPool, streams) -> None:
+        """Wait for the all-reduce and leave the sum in `row` (`streams`: routes.stream_runtime's)."""
+        route = self.route
+        if self.native:
+            wait_works(streams, flight.works, flight, on_device=route.on_device)
+            return
+        before, after = route.finish(flight)
+        if self.size == 2:  # one addition: the same in either order, rounded once in any dtype
+            row.add_(before[0] if before.size(0) else after[0])
+            route.give(flight, pool)
+            return
+        own = flight.sent[self.rank, route.lead :]  # [chunk]
+        sent, payload = self.second.send_buffer(pool, 1)
+        add_in_order([*before, own, *after], payload, pool)  # this replica's chunk
+        route.give(flight, pool)
+        gathered = self.second.gather(payload, sent, pool, flight.what, flight.timeout)
+        before, after = self.second.finish(gathered)
+        offset = 0
+        for chunk in (*before, payload, *after):  # in replica order
+            n = min(self.chunk, self.numel - offset)
+            if n > 0:
+                row[offset : offset + n].copy_(chunk[:n])
+            offset += n
+        self.second.give(gathered, pool)
+
+    def sent_bytes(self, row: torch.Tensor) -> int:
+        """The bytes this rank sends in the all-reduce of `row` (headers apart)."""
+        if self.native:
+            return all_reduce_bytes(row.numel(), row.element_size(), self.size)
+        if self.size == 2:
+            return row.nbytes
+        return 2 * (self.size - 1) * self.chunk * row.element_size()
 
 
-def check_replicas(group: dist.ProcessGroup, expected: torch.Tensor, timeout: timedelta) -> None:
-    """Every rank of `group` is about to all-reduce the row `expected` heads (Note [named hangs]):
-    the headers, all-gathered (a fixed size, so any peer's fits) and waited for; MismatchedRows
-    otherwise."""
-    everyone = all_gather_ints(expected, device=torch.device("cpu"), timeout=timeout, group=group, what=HEADERS)
-    check_headers(torch.tensor(everyone, dtype=torch.int64), expected, list(range(len(everyone))), [])
+def add_in_order(rows: list[torch.Tensor], out: torch.Tensor, pool: BufferPool) -> None:
+    """out = rows[0] + rows[1] + ... in this order (bf16 and fp16 rows added in float32, rounded once)."""
+    if out.dtype not in LOW_PRECISION:
+        out.copy_(rows[0])
+        for row in rows[1:]:
+            out.add_(row)
+        return
+    total = pool.take((out.numel(),), torch.float32, out.device)
+    total.copy_(rows[0])
+    for row in rows[1:]:
+        total.add_(row)
+    out.copy_(total)
+    pool.give(total)
 
 
 def pack_rows(grads: list[torch.Tensor | None], shard_numels: list[int], out: torch.Tensor) -> None:

@@ -23,13 +23,13 @@ buffers they reuse.
 # against 29.2 / 47.9. The rows a reduce-scatter receives are summed in rank order either
 # way, so the result does not depend on message timing or route. Every message on gloo
 # starts with a header naming its unit, model and collective (Note [named hangs], tags.py),
-# which the route makes once.
+# which the route makes once and which travels inside the rows' own messages.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -47,6 +47,9 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 SMALL_MESSAGE = 256 * 1024
 # the bytes posted to receive each peer's row of an all_to_all: its longest row (Note [named hangs])
 RECEIVE_CAPACITY = SMALL_MESSAGE + HEADER_BYTES
+# point-to-point: the bytes of a peer's rows that travel behind the header in the first of its two
+# messages, whose receive holds HEADER_BYTES + FIRST_BYTES, the longest first message (Note [named hangs])
+FIRST_BYTES = 64 * 1024
 
 
 class BufferPool:
@@ -83,16 +86,18 @@ class BufferPool:
 @dataclass
 class Flight:
     """One collective in flight: its works, what it receives into, this rank's send buffer
-    (kept alive until the sends are done), the headers' works and what they receive
-    (point-to-point), and who issued it (for its waits)."""
+    (kept alive until the sends are done), and who issued it (for its waits); point-to-point
+    also the works of the first messages, which carry the headers, and what they send and
+    receive."""
 
     works: list
     received: torch.Tensor | None
     sent: torch.Tensor | None
-    header_works: list
-    headers: torch.Tensor | None
     what: str
     timeout: timedelta
+    first_works: list = field(default_factory=list)
+    firsts: torch.Tensor | None = None  # [peers, HEADER_BYTES + FIRST_BYTES] uint8, in host memory
+    heads: torch.Tensor | None = None  # the first messages this rank sends, [HEADER_BYTES + first bytes] each
 
 
 def route_for(group: dist.ProcessGroup | None, device: torch.device, numel: int, dtype: torch.dtype, *, uid: int,
@@ -148,10 +153,12 @@ def wait_works(rt, works: list, flight: Flight, *, on_device: bool) -> None:
 class Route:
     """How rows of `numel` elements of `dtype` for each peer move in `group`: made once, with
     the header of Note [named hangs] (the unit's id, the collective's kind, the bytes a peer
-    is sent). `lead` elements of header lead each row a rank sends."""
+    is sent). `lead` elements of header lead each row of a send buffer; `staged`: a gather's
+    payload must be in one (send_buffer) before it goes."""
 
     name = "local"
     lead = 0
+    staged = False
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, numel: int, dtype: torch.dtype,
                  uid: int, kind: int) -> None:
@@ -171,13 +178,13 @@ class Route:
     def gather(self, payload: torch.Tensor, sent: torch.Tensor | None, pool: BufferPool, what: str,
                timeout: timedelta) -> Flight:
         """Start sending `payload` ([numel], in `sent` when it came from send_buffer) to every peer."""
-        return Flight([], None, sent, [], None, what, timeout)
+        return Flight([], None, sent, what, timeout)
 
     def reduce(self, sent: torch.Tensor, shard: torch.Tensor, op: dist.ReduceOp, pool: BufferPool, what: str,
                timeout: timedelta) -> Flight:
         """Start sending each peer its row of `sent` (send_buffer's, [world, ...]): natively
         summed into `shard` (op), else received for the caller to sum."""
-        return Flight([], None, sent, [], None, what, timeout)
+        return Flight([], None, sent, what, timeout)
 
     def finish(self, flight: Flight) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the collective (the headers first, checked: MismatchedRows) and return
@@ -188,7 +195,7 @@ class Route:
         return empty, empty
 
     def give(self, flight: Flight, pool: BufferPool) -> None:
-        for buffer in (flight.sent, flight.received):
+        for buffer in (flight.sent, flight.received, flight.firsts, flight.heads):
             if buffer is not None:
                 pool.give(buffer)
 
@@ -222,12 +229,12 @@ class Native(Route):
         gathered = pool.take((self.world, self.numel), self.dtype, self.device)  # [world, numel]
         works = issued([all_gather_single(gathered.view(-1), payload, group=self.group, async_op=True)],
                          reads=[payload], writes=[gathered])
-        return Flight(works, gathered, sent, [], None, what, timeout)
+        return Flight(works, gathered, sent, what, timeout)
 
     def reduce(self, sent, shard, op, pool, what, timeout):
         works = issued([reduce_scatter_single(shard, sent.view(-1), op=op, group=self.group, async_op=True)],
                          reads=[sent], writes=[shard])
-        return Flight(works, None, sent, [], None, what, timeout)
+        return Flight(works, None, sent, what, timeout)
 
     def finish(self, flight):
         wait_works(stream_runtime(self.cpu), flight.works, flight, on_device=self.on_device)
@@ -238,42 +245,69 @@ class Native(Route):
 
 
 class PointToPoint(Route):
-    """Gloo, large messages: each peer's rows sent to it, after a header of their own (Note
-    [named hangs]: headers under HEADER_TAG, rows under a tag hashing the header)."""
+    """Gloo, large messages: each peer's rows sent to it in two messages (Note [named hangs]):
+    the header with the rows' first FIRST_BYTES under HEADER_TAG, into a receive that holds
+    any such message, then the rest under a tag hashing the header, which rows of another
+    unit or size never match."""
 
     name = "p2p"
 
     def __init__(self, group, device, numel, dtype, uid, kind):
         super().__init__(group, device, numel, dtype, uid, kind)
         self.tag = p2p_tag(uid, kind, numel * dtype.itemsize)
+        # the rows the first message carries: none where they are in device memory (gloo sends
+        # host memory; a model of a GPU, testing.stream_model), which the host would have to read
+        self.first = 0 if self.on_device else min(numel, FIRST_BYTES // dtype.itemsize)
+        self.head_bytes = HEADER_BYTES + self.first * dtype.itemsize
 
-    def exchange(self, sends: list[torch.Tensor], pool: BufferPool, sent, what, timeout) -> Flight:
+    def head(self, firsts: torch.Tensor, heads: torch.Tensor) -> None:
+        """Write the header and `firsts` ([n, first], the rows' first elements) into `heads`
+        ([n, head_bytes] uint8)."""
+        heads[:, :HEADER_BYTES].copy_(self.header.view(torch.uint8).expand(heads.size(0), -1))
+        if self.first:
+            heads[:, HEADER_BYTES:].copy_(firsts.view(torch.uint8))
+
+    def exchange(self, sends: list[torch.Tensor], heads: list[torch.Tensor], pool: BufferPool, flight: Flight
+                 ) -> Flight:
+        """Issue the messages: `heads` and the rest of `sends` (each [numel]) to each peer in turn."""
+        peers, group, tag, first = self.peers, self.group, self.tag, self.first
         received = pool.take((self.world - 1, self.numel), self.dtype, self.device)  # [world - 1, numel]
-        headers = torch.empty((len(self.peers), 2), dtype=torch.int64)  # host memory: the host reads them
-        group, tag = self.group, self.tag
-        header_works = [dist.irecv(headers[i], group=group, group_src=r, tag=HEADER_TAG)
-                        for i, r in enumerate(self.peers)]
-        header_works += [dist.isend(self.header, group=group, group_dst=r, tag=HEADER_TAG) for r in self.peers]
-        works = [dist.irecv(row, group=group, group_src=r, tag=tag) for row, r in zip(received, self.peers)]
-        works += [dist.isend(t, group=group, group_dst=r, tag=tag) for t, r in zip(sends, self.peers)]
-        return Flight(issued(works, reads=sends, writes=[received]), received, sent, header_works, headers, what,
-                      timeout)
+        firsts = pool.take((len(peers), HEADER_BYTES + FIRST_BYTES), torch.uint8, torch.device("cpu"))
+        flight.received, flight.firsts = received, firsts
+        flight.first_works = [dist.irecv(firsts[i], group=group, group_src=r, tag=HEADER_TAG)
+                              for i, r in enumerate(peers)]
+        flight.first_works += [dist.isend(head, group=group, group_dst=r, tag=HEADER_TAG)
+                               for head, r in zip(heads, peers)]
+        if first < self.numel:
+            works = [dist.irecv(row[first:], group=group, group_src=r, tag=tag) for row, r in zip(received, peers)]
+            works += [dist.isend(t[first:], group=group, group_dst=r, tag=tag) for t, r in zip(sends, peers)]
+            flight.works = issued(works, reads=sends, writes=[received])
+        return flight
 
     def gather(self, payload, sent, pool, what, timeout):
-        return self.exchange([payload] * len(self.peers), pool, sent, what, timeout)
+        head = pool.take((1, self.head_bytes), torch.uint8, torch.device("cpu"))  # every peer's
+        self.head(payload[: self.first].view(1, -1), head)
+        flight = Flight([], None, sent, what, timeout, heads=head)
+        return self.exchange([payload] * len(self.peers), [head[0]] * len(self.peers), pool, flight)
 
     def reduce(self, sent, shard, op, pool, what, timeout):
-        return self.exchange([sent[r] for r in self.peers], pool, sent, what, timeout)
+        heads = pool.take((len(self.peers), self.head_bytes), torch.uint8, torch.device("cpu"))
+        self.head(sent[:, : self.first][self.peers], heads)  # [peers, first]
+        flight = Flight([], None, sent, what, timeout, heads=heads)
+        return self.exchange([sent[r] for r in self.peers], list(heads), pool, flight)
 
     def finish(self, flight):
         rt = stream_runtime(self.cpu)
-        if rt is not None:  # the headers are in host memory: the host reads them
-            rt.wait_host_works(flight.header_works, timeout=flight.timeout, what=flight.what)
+        if rt is not None:  # the first messages are in host memory: the host reads them
+            rt.wait_host_works(flight.first_works, timeout=flight.timeout, what=flight.what)
         else:
-            wait_works(None, flight.header_works, flight, on_device=False)
-        self.check(flight.headers, flight.works)
-        wait_works(stream_runtime(self.cpu), flight.works, flight, on_device=self.on_device)
+            wait_works(None, flight.first_works, flight, on_device=False)
+        firsts = flight.firsts
+        self.check(firsts[:, :HEADER_BYTES].view(torch.int64), flight.works)
         rows = flight.received
+        if self.first:
+            rows[:, : self.first].view(torch.uint8).copy_(firsts[:, HEADER_BYTES : self.head_bytes])
+        wait_works(rt, flight.works, flight, on_device=self.on_device)
         return rows[: self.rank], rows[self.rank :]
 
 
@@ -284,6 +318,7 @@ class AllToAll(Route):
     rows carry no header)."""
 
     name = "all_to_all"
+    staged = True
 
     def __init__(self, group, device, numel, dtype, uid, kind, *, checked: bool):
         super().__init__(group, device, numel, dtype, uid, kind)
@@ -304,12 +339,12 @@ class AllToAll(Route):
         if not self.checked:
             received = pool.take((self.world, self.numel), self.dtype, self.device)
             work = dist.all_to_all_single(received, sent, group=self.group, async_op=True)
-            return Flight(issued([work], reads=[sent], writes=[received]), received, sent, [], None, what, timeout)
+            return Flight(issued([work], reads=[sent], writes=[received]), received, sent, what, timeout)
         sent.view(torch.uint8)[:, :HEADER_BYTES].copy_(self.header.view(torch.uint8).expand(self.world, -1))
         received = pool.take((self.world * RECEIVE_CAPACITY,), torch.uint8, self.device)  # any row fits
         work = dist.all_to_all_single(received[: sum(self.capacities)], sent.view(torch.uint8).view(-1),
                                       self.capacities, [self.row] * self.world, group=self.group, async_op=True)
-        return Flight(issued([work], reads=[sent], writes=[received]), received, sent, [], None, what, timeout)
+        return Flight(issued([work], reads=[sent], writes=[received]), received, sent, what, timeout)
 
     def send_buffer(self, pool, rows):
         sent = pool.take((self.world, self.lead + self.numel), self.dtype, self.device)  # a row per rank

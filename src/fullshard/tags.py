@@ -12,14 +12,14 @@ big it is (Note [named hangs]): functions over ints and tensors (units.py names 
 # - all_to_all (small messages, Note [collective choice]): the header leads each row, and the
 #   receive posted for each peer holds the longest row this route sends (RECEIVE_CAPACITY),
 #   so a row of another size arrives whole or short, never too long;
-# - point-to-point (larger ones): the header goes first, alone, under HEADER_TAG (every header
-#   is as long); the rows follow under a tag of the header's own (`p2p_tag`), so rows of
-#   another unit or size are never matched with this receive. The header is waited for
-#   first, so a mismatch is seen at once;
-# - the all-reduce across replicas (gloo's own algorithm) is preceded by an all-gather of the
-#   headers, issued with the reduction's reduce-scatter so that it travels while the rows are
-#   summed, and waited for before the all-reduce is issued (a row of another size would make
-#   gloo abort).
+# - point-to-point (larger ones): two messages to each peer. The first holds the header and
+#   the rows' first FIRST_BYTES (routes.py), under HEADER_TAG, into a receive that holds the
+#   longest such message; the rest follows under a tag of the header's own (`p2p_tag`), so
+#   rows of another unit or size are never matched with this receive. The first messages
+#   are checked before the rest is waited for, so a mismatch is seen at once;
+# - the all-reduce across replicas: on gloo every replica's row goes to every other over one
+#   of the routes above (Note [replica sums] in reduce.py), headers included.
+# No header travels alone, or in a collective of its own that the rows wait for.
 # A peer that skipped a unit, ran another model or died makes the others wait until the
 # timeout (Unit.set_timeout), then raise an error naming the collective. NCCL's collectives
 # carry no header: there the first forward's check (root.py), debug checks and the hang watch
@@ -34,11 +34,13 @@ import zlib
 import torch
 
 HEADER_BYTES = 16  # two int64: MAGIC, kind and unit id; the bytes each peer sends
-HEADER_TAG = 15  # of every point-to-point header; rows' tags are above it
+HEADER_TAG = 15  # of every point-to-point first message (the header's); the rest's tags are above it
 MAGIC = 0x46534844  # "FSHD": a header at all
 KIND_BITS, UID_BITS = 4, 28
-KINDS = ("all-gather", "reduce-scatter", "all-reduce across replicas")  # by index: the kind a header carries
-GATHER, REDUCE, ALL_REDUCE = range(len(KINDS))
+# by index: the kind a header carries (an all-reduce across more than two replicas is two
+# rounds, Note [replica sums]: the second is its own kind)
+KINDS = ("all-gather", "reduce-scatter", "all-reduce across replicas", "all-reduce across replicas (second round)")
+GATHER, REDUCE, ALL_REDUCE, ALL_REDUCE_GATHER = range(len(KINDS))
 
 
 @functools.lru_cache(maxsize=4096)
