@@ -16,8 +16,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 train: $(VENV)/.installed
 	$(VENV)/bin/fullshard train
 
+# two pytest workers, a test file each at a time: the suite is CPU-bound (its ranks, and the
+# fresh processes of its end-to-end runs), and one worker leaves a core idle a quarter of the time
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The frameworks users train with (Lightning, Accelerate, the HF Trainer, PEFT, torchtitan),
 # each against torch's FSDP2: integrations/test_frameworks.py, about 2 minutes
@@ -43,4 +45,4 @@ test-torch:
 	# torchao 0.18 imports on recent torch only; a torchao that does not import breaks
 	# transformers' import too, so it goes (the float8 test then skips, saying why)
 	.venv-torch-$(TORCH)/bin/python -c "import torchao" 2>/dev/null || .venv-torch-$(TORCH)/bin/python -m pip uninstall --quiet --yes torchao
-	.venv-torch-$(TORCH)/bin/python -m pytest -q
+	.venv-torch-$(TORCH)/bin/python -m pytest -q -n 2 --dist loadfile

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.runs import STRAIGHT, finish, fullshard
-from tests.world import World
+from tests.world import World, extra_groups
 
 _worlds: dict[int, World] = {}
 
@@ -32,6 +32,22 @@ def world2() -> World:
 @pytest.fixture(scope="session")
 def world4() -> World:
     return world(4)
+
+
+# gloo runs a thread per process group that wakes every 10 ms: the groups a test file's meshes
+# make, hundreds by the end of the suite, would cost the suite a core-minute of idle wake-ups
+# (and destroying a gloo group aborts the process now and then: Note [exit] in fullshard/mesh.py)
+MAX_EXTRA_GROUPS = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def worlds_with_few_groups():
+    """After each test file, a persistent world holding more than MAX_EXTRA_GROUPS process groups
+    besides the default one starts afresh."""
+    yield
+    for w in _worlds.values():
+        if max(w.run(extra_groups)) > MAX_EXTRA_GROUPS:
+            w.restart()
 
 
 @pytest.fixture(scope="session")

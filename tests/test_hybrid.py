@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -12,21 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import fullshard
 from fullshard.gpt import GPT, Block, GPTConfig
-from tests.models import SEQ, VOCAB, gpt_loss, model_spec, tiny_gpt, token_batch
+from tests.models import SEQ, VOCAB, gpt_loss, hybrid_mesh, model_spec, tiny_gpt, token_batch
 from tests.reference import (ADAMW_TOL, LOSS_TOL, assert_parity, full_state, global_batches, local_slice,
                              make_optimizer, max_diff, parity, train)
 from tests.test_fully_shard import padded_numel
 from tests.world import child_pythonpath, free_port, rank_env
-
-
-@functools.cache
-def hybrid_mesh(replicas: int, shard: int):
-    """One mesh per shape per rank process: building one creates process groups."""
-    return init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def hybrid_job(model: str, optimizer: str) -> dict:

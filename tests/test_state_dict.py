@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 
 import fullshard
-from tests.models import gpt_loss, model_spec, tiny_gpt, token_batch
+from tests.models import gpt_loss, hybrid_mesh, model_spec, tiny_gpt, token_batch
 from tests.reference import FSDP2_ON_CPU, full_state, global_batches, make_optimizer, max_diff, train
 from tests.test_errors import raises
-from tests.test_hybrid import hybrid_mesh
 from tests.world import JOB_TIMEOUT_S, World, child_pythonpath
 
 

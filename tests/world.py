@@ -35,9 +35,12 @@ COLLECTIVE_TIMEOUT_S = 60
 # one still running after this is hung
 JOB_TIMEOUT_S = 300
 # imported once by the server that forks the ranks of forked worlds (Note [forked ranks]);
-# torch._dynamo is imported lazily by the first DTensor a job builds, and costs a second
+# torch._dynamo is imported lazily by the first DTensor a job builds, and costs a second; a
+# job's test file is imported by each new rank that runs it, pytest and the tests' helpers
+# with it (half a second a rank)
 FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fullshard", "fullshard.ft",
-                "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+                "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+                "pytest", "tests.models", "tests.reference", "tests.test_errors"]
 
 
 def child_pythonpath() -> str:
@@ -96,6 +99,13 @@ def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue) ->
             results.put((rank, False, traceback.format_exc()))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def extra_groups() -> int:
+    """A job: how many process groups this rank holds besides the default one."""
+    import torch.distributed as dist
+
+    return len(dist.distributed_c10d._world.pg_map) - 1
 
 
 class World:

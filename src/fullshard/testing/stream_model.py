@@ -27,6 +27,7 @@ fullshard the access happened; `violations` collects them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections import Counter
@@ -65,10 +66,15 @@ class Buffer:
     """One storage: its allocating stream and the last read and write by each stream."""
 
     def __init__(self, tensor: torch.Tensor, where: str) -> None:
-        self.label = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} (first seen at {where})"
+        self.shape, self.dtype, self.where = tuple(tensor.shape), tensor.dtype, where
         self.host = False
         self.allocated_on: Stream | None = None
         self.last: dict[tuple[Stream, str], tuple[int, str]] = {}  # (stream, "read"/"write") -> (clock, where)
+
+    @property
+    def label(self) -> str:
+        """The buffer in words, for a violation (made only then: most buffers have none)."""
+        return f"{self.shape} {str(self.dtype).removeprefix('torch.')} (first seen at {self.where})"
 
 
 class ModelWork:
@@ -128,18 +134,51 @@ class Tracking(TorchDispatchMode):
 
 def caller_site() -> str:
     """file:line of the innermost fullshard frame on the stack that is not the seam's (runtime.py,
-    routes.issued, which tells the model of a collective), else the innermost outside this file."""
+    routes.issued, which tells the model of a collective), else the innermost outside this file.
+    Asked at every operation: what each code object is, and each site's words, are made once."""
     frame = sys._getframe(1)
     fallback = None
     while frame is not None:
-        name = frame.f_code.co_filename
-        seam = name.endswith(("runtime.py", "stream_model.py")) or frame.f_code.co_name == "issued"
-        if "/fullshard/" in name and not seam:
-            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno} ({frame.f_code.co_name})"
-        if fallback is None and not name.endswith(("stream_model.py", "_python_dispatch.py", "contextlib.py")):
-            fallback = f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        code = frame.f_code
+        kind = FRAME_KINDS.get(code)
+        if kind is None:
+            kind = FRAME_KINDS[code] = frame_kind(code)
+        if kind == SITE:
+            return site_text(code, frame.f_lineno, True)
+        if kind == FALLBACK and fallback is None:
+            fallback = frame
         frame = frame.f_back
-    return fallback or "?"
+    return site_text(fallback.f_code, fallback.f_lineno, False) if fallback is not None else "?"
+
+
+SITE, FALLBACK, PASSED = range(3)
+FRAME_KINDS: dict = {}  # code object -> SITE (fullshard's, not the seam's), FALLBACK or PASSED
+
+
+def frame_kind(code) -> int:
+    name = code.co_filename
+    seam = name.endswith(("runtime.py", "stream_model.py")) or code.co_name == "issued"
+    if "/fullshard/" in name and not seam:
+        return SITE
+    return PASSED if name.endswith(("stream_model.py", "_python_dispatch.py", "contextlib.py")) else FALLBACK
+
+
+@functools.lru_cache(maxsize=None)
+def site_text(code, line: int, named: bool) -> str:
+    where = f"{code.co_filename.rsplit('/', 1)[-1]}:{line}"
+    return f"{where} ({code.co_name})" if named else where
+
+
+ARGUMENTS: dict = {}  # an operator -> (its arguments' names, whether it writes each)
+
+
+def arguments_of(func) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    got = ARGUMENTS.get(func)
+    if got is None:
+        schema = func._schema.arguments
+        got = ARGUMENTS[func] = (tuple(a.name for a in schema),
+                                 tuple(a.alias_info is not None and a.alias_info.is_write for a in schema))
+    return got
 
 
 def tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -302,12 +341,14 @@ class StreamModel:
         arguments, writes those its schema says it mutates, and allocates, then writes, what
         it returns in new memory. So no code of fullshard's needs to say what its kernels touch."""
         read, written = [], []
-        for argument, value in zip(func._schema.arguments, [*args, *(kwargs.get(a.name) for a in
-                                                                      func._schema.arguments[len(args):])]):
-            tensors = [value] if isinstance(value, torch.Tensor) else \
-                [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
-            alias = argument.alias_info
-            (written if alias is not None and alias.is_write else read).extend(tensors)
+        names, writes = arguments_of(func)
+        given = len(args)
+        for i, is_write in enumerate(writes):
+            value = args[i] if i < given else kwargs.get(names[i])
+            if isinstance(value, torch.Tensor):
+                (written if is_write else read).append(value)
+            elif isinstance(value, (list, tuple)):
+                (written if is_write else read).extend(t for t in value if isinstance(t, torch.Tensor))
         known = {local_values(t).untyped_storage()._cdata for t in (*read, *written)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and local_values(t).untyped_storage()._cdata not in known:
