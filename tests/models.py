@@ -225,11 +225,15 @@ SENT = {"bf16": torch.bfloat16, "int8": torch.int8}  # reduce_send_dtype, Note [
 
 
 @functools.cache
-def hybrid_mesh(replicas: int, shard: int):
-    """One mesh per shape per rank process: building one creates process groups."""
+def named_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """One mesh per shape and dim names per rank process: building one creates process groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (replicas, shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def hybrid_mesh(replicas: int, shard: int):
+    return named_mesh((replicas, shard), ("replicate", "shard"))
 
 
 def build(strategy: str, precision: str, offload: bool, mode: str, n_layer: int = 2) -> GPT:

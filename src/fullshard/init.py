@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 
-from fullshard import runtime
+from fullshard import runtime, stage_state
 from fullshard.checks import bit_sums, check_ranks_agree, dp_groups
 from fullshard.errors import fail
 from fullshard.hooks import HOOKS_ATTR, OWNER, Phase, UnitHooks, claim, hooks_on, units_under
@@ -257,3 +257,4 @@ def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forwa
         # PyTorch's composable APIs look here for what manages a module: replicate() leaves a unit's
         # parameters to it, as it does FSDP2's (it would all-reduce their gradients a second time)
         m.__dict__.setdefault(REGISTRY_KEY, {})["fully_shard"] = RegistryItem()
+        stage_state.register(m)  # Note [pipeline stages]

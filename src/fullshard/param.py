@@ -294,9 +294,11 @@ class ShardedParam:
     def replacement(self, full: bool) -> torch.Tensor | None:
         """What a module holds in place of this parameter's shard (`full`: its full parameter),
         if anything: an assignment or load_state_dict(assign=True) after sharding."""
-        mine = self.unsharded if full else self.sharded
-        return next((module._parameters.get(name) for module, name in self.slots
-                     if module._parameters.get(name) is not mine), None)
+        for module, name in self.slots:
+            held = module._parameters.get(name)
+            if held is not self.unsharded and (full or held is not self.sharded):  # Note [shown parameters]
+                return held
+        return None
 
     def adopt(self, new: torch.Tensor) -> None:
         """Make `new`, assigned in the shard's place, the shard, as FSDP2 does: a DTensor laid out

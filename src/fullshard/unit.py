@@ -111,6 +111,10 @@ class Unit:
         self.grads.plans.clear()  # the averaging follows the divide factor and force_sum
         for p in self.params:  # DTensor's collectives of tensor-parallel parameters: within the unit's timeout
             p.caller = dataclasses.replace(p.caller, timeout=self.timeout)
+        if "reshard_after_backward" in fields and self.state is ShardState.SHARDED:  # Note [shown parameters]
+            for p in self.params:
+                p.to_full() if self.expects_post_backward and not fields["reshard_after_backward"] else \
+                    p.to_sharded()
 
     def make_plans(self) -> None:
         """The gather plans (a unit whose shards are its full parameters has none: Note [stable
@@ -289,7 +293,8 @@ class Unit:
         moved = False  # the usual answer, found without a call per parameter
         for p in self.params:
             for module, name in p.slots:
-                moved |= module._parameters.get(name) is not p.sharded
+                held = module._parameters.get(name)
+                moved |= held is not p.sharded and held is not p.unsharded  # Note [shown parameters]
         if not moved:
             return
         replaced = [(p, new) for p in self.params if (new := p.replacement(full=False)) is not None]
@@ -312,6 +317,18 @@ class Unit:
     def drop_small(self) -> None:
         if self.small_gather is not None:
             self.metered(-self.small_gather.drop())
+
+    # Note [shown parameters]: the modules hold a unit's shards (its DTensor parameters) while it
+    # is sharded and its full parameters while it is full. Turning resharding after backward off
+    # (set_reshard_after_backward(False), which a pipeline schedule calls before each
+    # microbatch's backward, Note [pipeline stages]) shows the full parameter objects of a
+    # sharded unit whose backward is due, their memory freed until a gather fills it (a unit
+    # with no backward due keeps its shards shown: an optimizer may be built from them). Those
+    # are what autograd gives gradients to, and torch's split backward (the zero-bubble
+    # schedules' weight pass) finds the weights to compute gradients for among the parameters
+    # the stage module holds as the backward starts. (FSDP2 shows the shards there, and those
+    # schedules then drop part of the weights' gradients.) Any reshard, and turning resharding
+    # after backward back on, shows the shards again.
 
     def reshard(self, keep_small: bool = False) -> None:
         """Drop the full parameters and put the shards back on the modules; a no-op when sharded."""
