@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.checks import bit_sums, check_ranks_agree
+from fullshard.checks import bit_sums, check_ranks_agree, dp_groups
 from fullshard.collectives import broadcast_from_rank0
 from fullshard.errors import fail
 from fullshard.hooks import units_under
@@ -70,6 +70,9 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
     for unit in units:
         unit.relayout(device=unit.group.device)
     device = units[0].group.device if units else torch.device("cpu")
+    # the ranks that hold this model's values: every rank, or a data-parallel sub-mesh's groups
+    # (a pipeline stage's ranks, whose other stages initialize other parameters meanwhile)
+    groups = dp_groups(units[0].group) if units else [None]
     by_param = sharded_params(units)
     done: set[ShardedParam] = set()
     uninitialized: list[str] = []
@@ -94,7 +97,8 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
             tensors = {**fresh, **{key: module._buffers[key] for key in buffers}}
             uninitialized += [f"{name}.{key}" if name else key for key, t in tensors.items() if is_unset(t)]
             if sync:
-                broadcast_from_rank0(list(tensors.values()))
+                for group in groups:
+                    broadcast_from_rank0(list(tensors.values()), group=group)
             else:
                 described += [(f"{name}.{key}" if name else key, tuple(t.shape), str(t.dtype), t.requires_grad)
                               for key, t in fresh.items()]
@@ -108,7 +112,7 @@ def materialize(model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None
                    "Make param_init_fn (or the modules' reset_parameters()) initialize every parameter and "
                    "buffer the module owns directly.")
     if not sync:
-        check_ranks_agree("the model initialized from the meta device", described, sums, device)
+        check_ranks_agree("the model initialized from the meta device", described, sums, device, groups)
 
 
 def unset(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

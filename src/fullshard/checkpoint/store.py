@@ -158,6 +158,9 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     check_json(extra, f"extra={extra!r}"[:200])
     background.wait_for_saves()  # one save at a time: the one in flight first (its failure raises here)
     model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
+    timeout = units_of(model, "save")[0].timeout
+    if optimizer is not None and pipeline_stage(model):
+        name_every_stage(optim_sd, timeout)
     flat, mapping = flatten_state_dict({"model": model_sd, "optim": optim_sd} if optimizer is not None
                                        else {"model": model_sd})
     for key, value in flat.items():
@@ -166,7 +169,6 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         elif value.dtype not in LOADABLE.values():
             raise fail(f"{key} is of dtype {value.dtype}, which fullshard's checkpoints do not hold",
                        f"Keep the state in one of {', '.join(LOADABLE)} (Note [loaded dtypes]).")
-    timeout = units_of(model, "save")[0].timeout
     path = Path(path)
     optimizer_name = type(optimizer).__name__ if optimizer is not None else None
     group = timed_group(timeout)  # made here if new: creating a group is collective
@@ -181,6 +183,37 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         write_version(path, staged, mapping, optimizer_name, step, extra, timeout, group)
 
     return background.start(what, write)
+
+
+# Note [stage checkpoints]: every rank of a pipeline saves its own stage, built the torchtitan
+# way (the whole model's module tree, other stages' layers taken out), so the checkpoint holds
+# every stage's entries under the whole model's names. A stage's optimizer holds its own
+# stage's parameters, so each parameter group is saved naming every stage's (in rank order),
+# with the hyperparameters all stages share. A load by a pipeline stage reads its own entries
+# and refuses only what no rank's stage holds: a checkpoint of a pipeline loads at any other
+# number of stages, without a pipeline, and into a plain model (dcp.load).
+
+
+def pipeline_stage(model: nn.Module) -> bool:
+    """Whether `model` shards over some of the ranks only: a pipeline stage's (or, with tensor
+    parallelism, a data-parallel sub-mesh's), whose checkpoint other ranks' stages share."""
+    return units_of(model, "checkpoints")[0].group.mesh.size() < dist.get_world_size()
+
+
+def name_every_stage(optim_sd: dict, timeout: timedelta) -> None:
+    """Each parameter group of a pipeline stage's optimizer state dict, naming every stage's
+    parameters (Note [stage checkpoints])."""
+    groups = optim_sd["param_groups"]
+    mine = [{key: value for key, value in group.items() if key != "params"} for group in groups]
+    everyone = all_gather_json([[group["params"] for group in groups], mine], device=torch.device("cpu"),
+                               timeout=timeout)
+    mine = json.loads(json.dumps(mine))  # as JSON carries them: tuples become lists
+    if any(theirs != mine for _, theirs in everyone):
+        raise fail(f"the ranks' optimizers have other parameter groups (rank 0: {everyone[0][1]}; this rank: {mine})",
+                   "Build every pipeline stage's optimizer with the same parameter groups and hyperparameters: a "
+                   "checkpoint keeps one set for the whole model.")
+    for i, group in enumerate(groups):
+        group["params"] = list(dict.fromkeys(name for names, _ in everyone for name in names[i]))
 
 
 def stage(model: nn.Module, flat: dict[str, Any]) -> tuple[dict[str, Any], background.Staged]:
@@ -493,11 +526,11 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     deadline = time.monotonic() + timeout.total_seconds()
     path = Path(path)
     what, untouched = f"the load of {path}", "nothing was loaded"
-    folder, contents, report = None, None, {"error": None, "version": "", "damaged": []}
+    folder, contents, report = None, None, {"error": None, "version": "", "damaged": [], "elsewhere": []}
     try:
         folder, contents = open_version(path, deadline)
         report["version"] = folder.path.name
-        check_fits(folder, contents, model, optimizer, deadline)
+        report["elsewhere"] = check_fits(folder, contents, model, optimizer, deadline, pipeline_stage(model))
         report["damaged"] = damaged_files(folder, contents, deadline)
     except FullShardError as e:
         report["error"] = str(e)
@@ -511,7 +544,14 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         problems = sorted({p for r in checked.reports for p in r["damaged"]})
         if problems:
             raise fail(f"checkpoint {path} is damaged ({'; '.join(problems)}); {untouched}", DAMAGED_FIX)
-        model_sd, state = read_state(folder, contents, model, optimizer, deadline, what, timeout)
+        unloaded = sorted(set.intersection(*(set(r["elsewhere"]) for r in checked.reports)))
+        if unloaded:  # Note [stage checkpoints]: entries no rank's stage holds
+            raise fail(f"the checkpoint does not fit the model (unexpected: {unloaded[:8]}"
+                       f"{' ...' if len(unloaded) > 8 else ''}, on every rank's stage); {untouched}",
+                       "Use one of the same architecture, with the unwrapped model's names, every entry in some "
+                       "rank's pipeline stage.")
+        model_sd, state = read_state(folder, contents, model, optimizer, deadline, what, timeout,
+                                     pipeline_stage(model))
     finally:
         if folder is not None:
             folder.close()
@@ -532,13 +572,16 @@ def optimizer_keys(contents: Contents) -> list[str]:
 
 
 def check_fits(folder: Folder, contents: Contents, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               deadline: float) -> None:
+               deadline: float, stage: bool) -> list[str]:
     """Refuse a checkpoint whose tensors do not fit the model, or whose optimizer state (or its lack) does not
-    fit `optimizer`."""
+    fit `optimizer`. A pipeline stage (`stage`) holds some of the checkpoint's entries: the others are
+    returned, for the ranks to check that some stage holds each (Note [stage checkpoints])."""
     shapes = {key[len("model."):]: torch.Size(t.shape) for key, t in contents.tensors.items()
               if key.startswith("model.")}
     entries = state_entries(model)
-    check_names_and_shapes(entries, shapes, "checkpoint")
+    elsewhere = sorted(set(shapes) - set(entries)) if stage else []
+    check_names_and_shapes(entries, {name: shape for name, shape in shapes.items() if name not in elsewhere},
+                           "checkpoint")
     wrong = [f"{name}: {problem}" for name in shapes if name in entries
              if (problem := dtype_problem(contents.tensors[f"model.{name}"].dtype, value_of(entries[name]).dtype))]
     for key, saved in contents.values.items():
@@ -549,7 +592,7 @@ def check_fits(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
                    f"({'; '.join(sorted(wrong)[:8])}{' ...' if len(wrong) > 8 else ''})", "Load a checkpoint "
                    "of this model in its own dtypes (or another floating-point one: Note [loaded dtypes]).")
     if optimizer is None:
-        return
+        return elsewhere
     if not optimizer_keys(contents):
         raise fail(f"checkpoint {folder.path} holds no optimizer state (it was saved with optimizer=None), and an "
                    f"optimizer was given to load into", "Pass optimizer=None to load the model only (the optimizer "
@@ -564,7 +607,8 @@ def check_fits(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
     if any(size is None for size in sizes):
         raise fail(f"checkpoint {folder.path}'s optimizer has a parameter group without a list of parameters",
                    DAMAGED_FIX)
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+    if len(sizes) != len(optimizer.param_groups) or not stage and sizes != [len(g["params"]) for g in
+                                                                            optimizer.param_groups]:
         raise fail(f"checkpoint {folder.path}'s optimizer has parameter groups of {sizes} parameters, this one "
                    f"{[len(g['params']) for g in optimizer.param_groups]}",
                    "Build the optimizer with the same parameter groups as the one that was saved, or pass "
@@ -577,17 +621,19 @@ def check_fits(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
                        f"parameter group {i} (it has {sorted(set(saved) - {'params'})}): it was saved from another "
                        f"kind of optimizer than this {mine}", "Build the optimizer of the saved run, or pass "
                        "optimizer=None to load the model only.")
+        mine = {names[p] for p in group["params"]}
         if not (isinstance(saved["params"], list) and all(isinstance(n, str) for n in saved["params"])
-                and sorted(saved["params"]) == sorted(names[p] for p in group["params"])):
+                and (set(saved["params"]) >= mine if stage else sorted(saved["params"]) == sorted(mine))):
             raise fail(f"checkpoint {folder.path}'s optimizer steps other parameters in group {i} than this one",
                        "Build the optimizer with the same parameter groups as the one that was saved, or pass "
                        "optimizer=None to load the model only.")
-    saved_state = {**{key: (t.dtype, t.shape) for key, t in contents.tensors.items()}, **dict.fromkeys(contents.values)}
+    saved_state = saved_items(contents, model, optimizer, stage)
     if problems := hyperparameter_problems(groups, optimizer) + optimizer_state_problems(model, optimizer, saved_state):
         raise fail(f"checkpoint {folder.path}'s optimizer state does not fit this {mine} "
                    f"({'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''})",
                    "Load a checkpoint saved with an optimizer of this kind and these parameters, or pass "
                    "optimizer=None to load the model only.")
+    return elsewhere
 
 
 def saved_groups(folder: Folder, contents: Contents, deadline: float) -> list[dict]:
@@ -635,8 +681,20 @@ def damaged_files(folder: Folder, contents: Contents, deadline: float) -> list[s
     return problems
 
 
+def saved_items(contents: Contents, model: nn.Module, optimizer: torch.optim.Optimizer, stage: bool) -> dict:
+    """The checkpoint's items, tensors as (dtype, shape): of a pipeline stage, without the optimizer
+    state of parameters other stages hold (Note [stage checkpoints])."""
+    saved = {**{key: (t.dtype, t.shape) for key, t in contents.tensors.items()}, **dict.fromkeys(contents.values)}
+    if not stage:
+        return saved
+    names = param_names(model)
+    mine = {names[p] for group in optimizer.param_groups for p in group["params"]}
+    return {key: item for key, item in saved.items()
+            if not key.startswith("optim.state.") or key[len("optim.state."):].rsplit(".", 1)[0] in mine}
+
+
 def read_state(folder: Folder, contents: Contents, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               deadline: float, what: str, timeout: timedelta) -> tuple[dict, dict]:
+               deadline: float, what: str, timeout: timedelta, stage: bool) -> tuple[dict, dict]:
     """New buffers holding this rank's part of the checkpoint (Note [failed load]): the model's
     (one per tied entry) and, with `optimizer`, its state; agreed on by every rank."""
     entries = state_entries(model)
@@ -645,16 +703,15 @@ def read_state(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
                 for name, entry in entries.items() if f"model.{name}" in contents.tensors}
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
-        saved = {**{key: (t.dtype, t.shape) for key, t in contents.tensors.items()},
-                 **dict.fromkeys(contents.values)}
-        state["optim"] = optimizer_template(model, optimizer, saved)
+        state["optim"] = optimizer_template(model, optimizer, saved_items(contents, model, optimizer, stage))
     error = None
     try:
         flat, mapping = flatten_state_dict(state)
         for key, target in flat.items():
             if isinstance(target, torch.Tensor):
                 read_tensor(folder, key, contents.tensors[key], target, deadline)
-            elif key in contents.values:
+            elif key in contents.values and not (stage and key.startswith("optim.param_groups.")
+                                                 and key.endswith(".params")):  # a stage's own names stay
                 set_element(state, mapping[key], value_of_record(folder, contents.values[key], deadline))
     except FullShardError as e:
         error = str(e)
