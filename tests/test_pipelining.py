@@ -416,6 +416,148 @@ def test_a_pipelined_checkpoint_loads_at_other_pipeline_and_data_parallel_sizes(
     assert all(torch.equal(value, saved[name]) for name, value in plain["model"].items())
 
 
+def causes(error: BaseException | None) -> list[BaseException]:
+    """An exception and what caused it, outermost first (torch's stages wrap what a backward raises)."""
+    chain = []
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__
+    return chain
+
+
+def killed_stage_job(out: str) -> None:
+    """pp 2 x dp 2, 1F1B, units that time out after 3 s; rank 3 (the last stage's second dp rank)
+    dies at its sixth block forward, in the second step. Each survivor writes what it raised
+    (each exception of the chain) and when."""
+    import json
+    import os
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage, optimizer = stages_at(2)
+    stage.set_timeout(3)
+    mesh = named_mesh((2, 2), ("pp", "dp"))
+    index = mesh["pp"].get_local_rank()
+    # the stages' sends and receives are torch's, on the group given to the stage: one with the
+    # units' timeout (the mesh's groups wait the default, 30 minutes outside these tests)
+    pp_groups = [dist.new_group([0, 2], timeout=timedelta(seconds=3)), dist.new_group([1, 3], timeout=timedelta(seconds=3))]
+    runner = Schedule1F1B(PipelineStage(stage, index, 2, torch.device("cpu"), group=pp_groups[dist.get_rank() % 2]),
+                          n_microbatches=MICROBATCHES, loss_fn=mse)
+    if dist.get_rank() == 3:
+        forwards = iter(range(100))
+
+        def die_at_the_sixth(module: nn.Module, args: tuple) -> None:
+            if next(forwards) == 5:
+                os._exit(1)
+
+        stage.layers["3"].register_forward_pre_hook(die_at_the_sixth)
+    start, raised = time.monotonic(), None
+    try:
+        for inputs, targets in batches(mesh["dp"].get_local_rank(), 2):
+            runner.step(inputs) if index == 0 else runner.step(target=targets)
+            optimizer.step()
+            optimizer.zero_grad()
+    except Exception as e:  # noqa: BLE001 (what each rank raised is the result)
+        raised = e
+    chain = [{"type": type(e).__name__, "message": str(e)[:2000]} for e in causes(raised)]
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps({"chain": chain,
+                                                                    "seconds": time.monotonic() - start}))
+
+
+def test_a_stage_rank_killed_mid_schedule_fails_every_rank_within_the_timeout(tmp_path):
+    """Its data-parallel peer's collective names the unit (torch's stage wraps it in its own
+    RuntimeError, the FullShardError its cause); the rank of the other stage that exchanges
+    activations with it gets gloo's "connection closed" from torch's send or receive; the
+    fourth, whose peers failed, its unit's timeout. Nobody waits past the 3 s timeout (and
+    the margin a busy machine needs), nobody hangs."""
+    import json
+    import time
+
+    files = [tmp_path / f"rank{r}.json" for r in range(3)]
+    with World(4, forked=True) as world:
+        world.submit(killed_stage_job, out=str(tmp_path))
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:  # each survivor's report
+            time.sleep(0.05)
+        world.kill()  # the survivors' group lost a rank: their next barrier would wait it out
+    reports = {r: json.loads(f.read_text()) for r, f in enumerate(files)}
+    for rank, report in reports.items():
+        assert report["chain"], (rank, report)  # it raised
+        assert report["seconds"] < 3 + 10, (rank, report)  # the timeout, and the 1 s step before the kill
+    named = [e for e in reports[2]["chain"] if e["type"] in ("FullShardError", "EveryRankError")]
+    assert named and "of unit 'layers." in named[0]["message"] and "did not finish" in named[0]["message"], reports[2]
+    for rank in (0, 1):  # torch's own words for its sends and receives: a peer gone, or the group's timeout
+        messages = " ".join(e["message"] for e in reports[rank]["chain"])
+        assert any(words in messages for words in ("did not finish", "Connection closed by peer",
+                                                    "Connection reset by peer", "Timed out")), (rank, reports[rank])
+
+
+def mixed_job(inner: str) -> str:
+    """A stage whose blocks one library shards and whose root the other: the error, or ''."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = named_mesh((2, 2), ("pp", "dp"))
+    index = mesh["pp"].get_local_rank()
+    stage = Chain(range(2 * index, 2 * index + 2))
+    inner_shard, outer_shard = (torch_fully_shard, fullshard.fully_shard) if inner == "torch" else \
+        (fullshard.fully_shard, torch_fully_shard)
+    for layer in stage.layers.values():
+        inner_shard(layer, mesh=mesh["dp"])
+    try:
+        outer_shard(stage, mesh=mesh["dp"])
+    except fullshard.FullShardError as e:
+        return str(e)
+    except RuntimeError as e:  # torch's fully_shard over fullshard's units: torch's own error
+        return f"torch: {e}"
+    return ""
+
+
+def differing_units_job() -> str:
+    """The first dp rank of each stage makes a unit of each block, the second of its first block only."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    mesh = named_mesh((2, 2), ("pp", "dp"))
+    index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    stage = Chain(range(2 * index, 2 * index + 2))
+    try:  # the sharding itself compares what the ranks shard
+        for layer in list(stage.layers.values())[: 2 - dp_rank]:
+            fullshard.fully_shard(layer, mesh=mesh["dp"])
+        fullshard.fully_shard(stage, mesh=mesh["dp"])
+        runner = Schedule1F1B(PipelineStage(stage, index, 2, torch.device("cpu"), group=mesh["pp"].get_group()),
+                              n_microbatches=MICROBATCHES, loss_fn=mse)
+        inputs, targets = batches(dp_rank, 2)[0]
+        runner.step(inputs) if index == 0 else runner.step(target=targets)
+    except Exception as e:  # noqa: BLE001 (torch's stage may wrap fullshard's error)
+        named = [c for c in causes(e) if isinstance(c, fullshard.FullShardError)]
+        return str(named[0]) if named else f"unnamed: {e}"
+    return ""
+
+
+def test_mixed_libraries_and_stages_whose_units_differ_are_named_errors(world4):
+    # fullshard's root over FSDP2's blocks: refused by name before anything changes
+    for message in world4.run(mixed_job, inner="torch"):
+        assert "holds modules that torch's own fully_shard (FSDP2) shards" in message and "layers." in message
+    # ranks of one stage whose units differ: refused as they shard, naming what each holds
+    for message in world4.run(differing_units_job):
+        assert "ranks would shard different parameters" in message, message
+    # torch's fully_shard.state(unit) is fullshard's StageState: anything asked of it beyond what
+    # the schedules reach for (REACHED) is a FullShardError naming it
+    for message in world4.run(state_job):
+        assert "'_lazy_init', which only torch's FSDP2 has" in message, message
+
+
+def state_job() -> str:
+    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    state = torch_fully_shard.state(fullshard.fully_shard(nn.Linear(2, 2)))
+    assert isinstance(state, stage_state.StageState)
+    return raises(lambda: state._lazy_init())
+
+
 def reached_by_schedules() -> dict[str, set[str]]:
     """What torch.distributed.pipelining's source reads from `fully_shard.state(stage)`, its
     context, states and param groups (stage.perform_reduce_grad), by the names it uses."""

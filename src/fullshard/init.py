@@ -204,6 +204,12 @@ def shard_unit(modules: list[nn.Module], what: str, *, mesh, reshard_after_forwa
     mesh, Note [meshes of one call]) of the parameters no inner unit owns, minus `exclude`
     (shard_model's parameters left to an outer unit); `schedule` is the prefetch schedule
     the unit applies if it becomes a root."""
+    torchs = [f"{name or '<root>'} ({type(sub).__name__})" for module in modules for name, sub in module.named_modules()
+              if "fully_shard" in sub.__dict__.get(REGISTRY_KEY, {}) and not hooks_on(sub)]
+    if torchs:  # their parameters are FSDP2's DTensors: nothing fullshard could shard or reduce
+        raise fail(f"this {what} holds modules that torch's own fully_shard (FSDP2) shards: {torchs}",
+                   "Shard every unit of a model (each pipeline stage included) with one library: fullshard's "
+                   "fully_shard or shard_model, or torch's fully_shard under fullshard.replace_fsdp2().")
     owned = owned_by(modules, [*exclude, *ignored])
     if shard_placement_fn is not None:
         owned = set_split_dims(owned, shard_placement_fn)
