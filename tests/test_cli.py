@@ -33,6 +33,32 @@ def test_one_and_two_ranks_give_the_same_first_step_and_the_loss_falls(straight_
     assert len(vals) == 4 and vals[-1] < vals[0] - 0.5  # validation loss falls visibly in 30 steps
 
 
+PIPELINED = [*STRAIGHT[:STRAIGHT.index("--steps")], "--pp", "2", "--nproc", "4", "--oversubscribe", "--grad-accum", "2"]
+
+
+def test_a_pipeline_of_two_stages_trains_and_resumes(tmp_path, capsys):
+    """`fullshard train --pp 2 --nproc 4`: 2 stages of 2 data-parallel ranks through 1F1B, the
+    same metrics and plot as any run; run again with more steps, it resumes from its checkpoint.
+    And `fullshard plan --pp 2` prices the stages and the bubble."""
+    first = finish(fullshard("train", *PIPELINED, "--steps", "4", "--ckpt-interval", "2", "--eval-interval", "2",
+                             "--out", str(tmp_path)))
+    assert "stage 1 of 2 (1F1B)" in first and "validation loss" in first
+    again = finish(fullshard("train", *PIPELINED, "--steps", "6", "--ckpt-interval", "2", "--eval-interval", "2",
+                             "--out", str(tmp_path)))
+    assert "at step 4" in again
+    rows = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 7))  # every step once
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    for row in rows:  # every rank's memory; fullshard's bytes and the activations between stages
+        assert len(row["peak_mem_mb"]) == 4 and row["sent_bytes"] > 0 and row["grad_norm"] > 0
+    vals = [r["val_loss"] for r in metrics(tmp_path) if "val_loss" in r]
+    assert len(vals) == 4 and vals[-1] < vals[0]  # before step 1, and at steps 2, 4 (resumed), 6
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert cli.main(["plan", "--preset", "tiny", "--pp", "2", "--world-size", "4", "--microbatches", "4"]) == 0
+    shown = capsys.readouterr().out
+    assert "| 1 | 1 | " in shown and "| 2 | 1 | " in shown and "the bubble is 20% of it" in shown
+
+
 def test_outputs_are_well_formed(straight_run):
     rows = metrics(straight_run)
     steps = [r for r in rows if "loss" in r]
@@ -59,7 +85,7 @@ def exit_status(args: list[str]) -> int:
     (["train", "--data", "/no/such/path"], "no such file or directory"),
     (["train", "--nproc", "64"], "pass --oversubscribe"),
     (["train", "--steps", "many"], "invalid int value"),
-    (["train", "--global-batch", "3"], "must divide into 2 ranks"),
+    (["train", "--global-batch", "3"], "must divide into 2 data-parallel ranks"),
     (["launch"], "invalid choice"),
     (["train", "--eval-interval", "0"], "--eval-interval must be at least 1, got 0"),
     (["train", "--n-layer", "0"], "--n-layer must be at least 1, got 0"),
@@ -114,6 +140,15 @@ def exit_status(args: list[str]) -> int:
     (["train", "--reduce", "bf16", "--nproc", "1"], "--reduce bf16 would change nothing here: one rank"),
     (["train", "--reduce", "int8", "--strategy", "no_shard"], "--reduce int8 would change nothing here: no_shard"),
     (["train", "--gather", "int8", "--nproc", "1"], "--gather int8 would change nothing here: one rank"),
+    # pipeline stages: enough blocks, microbatches and ranks, and what a pipeline does not take
+    (["train", "--pp", "0"], "--pp must be at least 1, got 0"),
+    (["train", "--pp", "2", "--preset", "tiny", "--grad-accum", "2", "--n-layer", "1"], "--pp 2 needs a block a stage"),
+    (["train", "--pp", "2"], "--pp 2 needs at least as many microbatches a step: pass --grad-accum 2"),
+    (["train", "--pp", "2", "--grad-accum", "2", "--nproc", "3", "--oversubscribe"],
+     "--pp 2 must divide the 3 ranks into stages"),
+    (["train", "--pp", "2", "--grad-accum", "2", "--strategy", "hybrid_shard"], "--pp does not take --strategy"),
+    (["train", "--pp", "2", "--grad-accum", "2", "--precision", "fp16"], "--pp does not take --precision fp16"),
+    (["plan", "--pp", "2", "--world-size", "3"], "--pp 2 needs a --world-size it divides (not 3)"),
 ])
 def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, tmp_path, args, says):
     for name, text in {"EMPTY_FILE": b"", "20_BYTE_FILE": b"def f(): return 42\n\n"}.items():

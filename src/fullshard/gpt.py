@@ -127,3 +127,36 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class GPTStage(nn.Module):
+    """Blocks `layers` of a GPT as one stage of a pipeline (`fullshard train --pp`), the
+    torchtitan way: the parameters keep the whole model's names (h.<i>. ...), the first stage
+    embeds, the last normalizes and predicts. The last stage's output head is a weight of its
+    own: tying it to the first stage's embedding would span two stages."""
+
+    def __init__(self, cfg: GPTConfig, layers: range) -> None:
+        super().__init__()
+        first, last = layers.start == 0, layers.stop == cfg.n_layer
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd) if first else None
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd) if first else None
+        self.h = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias) if last else None
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False) if last else None
+
+    def example_inputs(self, batch: int, seq: int, device: torch.device) -> tuple[tuple, dict]:
+        """What this stage takes (fullshard.plan runs it on fake tensors): token ids into the
+        first, activations into the others."""
+        if self.wte is not None:
+            return (torch.zeros(batch, seq, dtype=torch.long, device=device),), {}
+        width = next(iter(self.h.values())).ln_1.normalized_shape[0]
+        return (torch.zeros(batch, seq, width, device=device),), {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] into the first stage, activations [B, T, C] between stages, logits
+        [B, T, vocab] out of the last."""
+        if self.wte is not None:
+            x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
+        for block in self.h.values():
+            x = block(x)
+        return x if self.lm_head is None else self.lm_head(self.ln_f(x))

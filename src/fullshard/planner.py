@@ -196,7 +196,10 @@ def repeated_block(model: nn.Module) -> type | None:
 
 
 def example_inputs(model: nn.Module, batch: int, seq: int, device: torch.device) -> tuple[tuple, dict]:
-    """Token ids (and targets), as a causal language model takes them."""
+    """Token ids (and targets), as a causal language model takes them; or what the model's own
+    `example_inputs(batch, seq, device)` says it takes (a pipeline stage: gpt.GPTStage)."""
+    if hasattr(model, "example_inputs"):
+        return model.example_inputs(batch, seq, device)
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     params = inspect.signature(model.forward).parameters
     if "input_ids" in params:

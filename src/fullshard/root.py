@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from fullshard import runtime
+from fullshard.checks import dp_groups
 from fullshard.collectives import all_gather_ints, site
 from fullshard.errors import CollectiveError, fail
 from fullshard.options import Schedule
@@ -91,6 +92,11 @@ class Scheduler:
     def end_backward(self) -> None:
         self.drop_unused_prefetches()
         self.reducing = None
+
+
+def worst(codes: list[int]) -> int:
+    """Of the ranks' non-finite codes (Root.settle_nonfinite), one that raises, else any found, else -1."""
+    return max(codes, key=lambda code: (code >= 0 and code % 2 == 1, code >= 0, code))
 
 
 class Root:
@@ -193,11 +199,13 @@ class Root:
             raise unit.failed("end of backward", e) from None
 
     def settle_nonfinite(self) -> None:
-        """With a non-finite policy on some unit, every rank learns whether any rank's reduced
-        gradient had an inf or NaN, and all raise (if that unit's policy on any rank is "raise")
-        or all skip the step (no gradients). Ranks may run other units (pipeline stages), so
-        each reports a code, 2 x its first such unit's index + 1 if its policy raises. One read
-        of the device flags per backward that reduced (Note [host syncs])."""
+        """With a non-finite policy on some unit, every rank that holds this model (every rank, or
+        a pipeline stage's: those of its units' groups) learns whether any had an inf or NaN in
+        a reduced gradient, and all raise (if that unit's policy on any rank is "raise") or all
+        skip the step (no gradients). Each reports a code, 2 x its first such unit's index + 1
+        if its policy raises. One read of the device flags per backward that reduced (Note
+        [host syncs]). A stage agrees within itself alone: its backward ends while other stages
+        still exchange activations with their neighbours (Note [pipeline stages])."""
         checked = [unit for unit in self.units if unit.switches.nonfinite is not None]
         if not checked:
             return
@@ -207,25 +215,29 @@ class Root:
             finite = other.take_nonfinite()
             if finite is not None:
                 bad = torch.where(finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
+        groups, own = dp_groups(unit.group), None
         try:
-            codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout,
-                                                         what=NONFINITE)]
+            for group in groups:  # a sub-mesh's groups in turn, each passing on the worst code it saw
+                codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout,
+                                                             group=group, what=NONFINITE)]
+                own = codes[dist.get_rank(group)] if own is None else own
+                bad = torch.tensor([worst(codes)], dtype=torch.int64, device=unit.compute_device)
         except CollectiveError as e:
             raise unit.failed("non-finite check", e) from None
-        if all(code < 0 for code in codes):
+        code = worst(codes)
+        if code < 0:
             return
         for other in self.units:  # skipped, or cleared before raising: a caller that catches the error and
             for p in other.params:  # steps anyway must not write inf/NaN into the parameters
                 p.drop_grad()
-        if not any(code >= 0 and code % 2 for code in codes):
+        if not code % 2:
             self.skipped += 1
             return
-        mine = codes[dist.get_rank()]
-        where = f"unit {self.shared.names[mine // 2]!r}" if mine >= 0 else \
-            f"a unit of rank {next(r for r, code in enumerate(codes) if code >= 0)}"
+        where = f"unit {self.shared.names[own // 2]!r}" if own >= 0 else "a unit of another rank"
         raise fail(f"the gradient of {where} at step {self.step} is not finite (inf or NaN) after reduction",
                    "Lower the learning rate, train in bf16/fp32 or with loss scaling (fullshard.GradScaler for "
                    "fp16), or call model.set_nonfinite_grads('skip') to skip such steps on every rank.")
+
 
     def recover(self) -> None:
         """A backward that raised never ran the final callback: start the next step clean."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from fullshard.errors import EveryRankError, FullShardError
 from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch, launch_replicas
 from fullshard.cli.config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
-                                    parse_bytes, plan_problem, problem, unused_problem)
+                                    parse_bytes, pipeline_problem, plan_problem, problem, unused_problem)
 from fullshard.cli.run_log import open_log
 from fullshard.cli.trainer import train, version
 
@@ -83,11 +83,13 @@ def start_local_run(cfg: TrainConfig, argv: list[str]) -> int:
         return fatal(f"--nproc {nproc} is more than the {cores} CPU cores here; pass --oversubscribe to run anyway")
     if (message := unused_problem(cfg, nproc, nproc // cfg.replicas)) is not None:  # shard groups: a replica group
         return fatal(message)
+    if (message := pipeline_problem(cfg, nproc)) is not None:
+        return fatal(message)
     if nproc % cfg.replicas:
         return fatal(f"--nproc {nproc} must divide into --replicas {cfg.replicas} groups of equal size")
-    if cfg.global_batch % (nproc * cfg.grad_accum):
-        return fatal(f"--global-batch {cfg.global_batch} must divide into {nproc} ranks x {cfg.grad_accum} "
-                     f"micro-batches")
+    if cfg.global_batch % (nproc // cfg.pp * cfg.grad_accum):
+        return fatal(f"--global-batch {cfg.global_batch} must divide into {nproc // cfg.pp} data-parallel ranks x "
+                     f"{cfg.grad_accum} micro-batches")
     if (message := memory_problem(cfg, nproc, available_memory(), "of memory available here")) is not None:
         return fatal(message)
     try:
@@ -130,6 +132,10 @@ def parser() -> Parser:
     plan_parser.add_argument("--hardware", default="cpu", help="cpu, a100 or h100 (fullshard.planner.HARDWARE)")
     plan_parser.add_argument("--optimizer", default="adamw",
                              help="adamw, sgd, muon (fullshard.optim.Muon on the matrices, AdamW on the rest) or none")
+    plan_parser.add_argument("--pp", type=int, default=1, help="pipeline stages (as fullshard train --pp): each "
+                             "stage planned over world-size / pp ranks, the bubble priced")
+    plan_parser.add_argument("--microbatches", type=int, default=0, help="with --pp: the schedule's microbatches "
+                             "a step, of --batch sequences each (0: --pp)")
     return top
 
 
@@ -144,6 +150,8 @@ def plan_command(args: argparse.Namespace) -> int:
     if (message := plan_problem(args, budget)) is not None:
         return fatal(message)
     dims = gpt_dims(args)
+    if args.pp > 1:
+        return pipeline_plan(args, budget, dims)
     with torch.device("meta"):
         model = GPT(GPTConfig(block_size=args.seq_len, vocab_size=args.vocab, **dims))
     try:
@@ -162,6 +170,49 @@ def plan_command(args: argparse.Namespace) -> int:
     else:
         print(f"\nPeaks are torch.cuda.max_memory_allocated, as `fullshard train` reports them on GPUs; a plan fits "
               f"when its peak and the runtime ({plan.hardware.name}'s CUDA context and NCCL buffers) do.")
+    return 0
+
+
+def pipeline_plan(args: argparse.Namespace, budget: int, dims: dict) -> int:
+    """`fullshard plan --pp P`: each stage of `fullshard train --pp` (gpt.GPTStage) planned over its
+    world-size / P ranks, its peak with the activations 1F1B keeps in flight (stage s holds
+    P - s microbatches' at once), and the pipeline's step: each microbatch passes the slowest
+    stage, and for P - 1 microbatch-times of the step a stage waits (the bubble)."""
+    import torch
+
+    import fullshard
+    from fullshard.gpt import GPTConfig, GPTStage
+
+    stages, microbatches = args.pp, args.microbatches or args.pp
+    if args.world_size % stages or dims["n_layer"] < stages or microbatches < stages:
+        return fatal(f"--pp {stages} needs a --world-size it divides (not {args.world_size}), a block a stage (the "
+                     f"GPT has {dims['n_layer']}) and at least as many --microbatches (not {microbatches})")
+    per_stage = -(-dims["n_layer"] // stages)
+    rows, slowest = [], 0.0
+    for s in range(stages):
+        with torch.device("meta"):
+            stage = GPTStage(GPTConfig(block_size=args.seq_len, vocab_size=args.vocab, **dims),
+                             range(s * per_stage, min(dims["n_layer"], (s + 1) * per_stage)))
+        try:
+            plan = fullshard.plan(stage, world_size=args.world_size // stages, memory_budget=budget, batch=args.batch,
+                                  seq=args.seq_len, hardware=args.hardware, optimizer=args.optimizer)
+        except FullShardError as e:
+            return fatal(f"stage {s + 1} of {stages}: {e}")
+        chosen = plan.chosen
+        in_flight = min(stages - s, microbatches)
+        peak = chosen.peak + (in_flight - 1) * chosen.memory.get("activations", 0)
+        slowest = max(slowest, chosen.step_s)
+        rows.append(f"| {s + 1} | {len(stage.h)} | {chosen.strategy} | {chosen.precision} | {in_flight} | "
+                    f"{peak / 2**20:.0f} | {chosen.step_s:.3f} |")
+    step = (microbatches + stages - 1) * slowest
+    print(f"GPT {dims} in {stages} stages (1F1B, {microbatches} microbatches of {args.batch} x {args.seq_len} "
+          f"per data-parallel rank), {args.world_size // stages} ranks each; budget {budget / 2**20:.0f} MiB per "
+          f"rank\n")
+    print("| stage | blocks | strategy | precision | microbatches in flight | peak MiB per rank | s per microbatch |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"\nstep: ({microbatches} microbatches + {stages - 1}) x the slowest stage's {slowest:.3f} s = {step:.3f} s; "
+          f"the bubble is {(stages - 1) / (microbatches + stages - 1):.0%} of it (more --microbatches shrink it)")
     return 0
 
 

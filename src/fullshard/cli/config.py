@@ -71,6 +71,8 @@ class TrainConfig:
     backward_prefetch: str = opt("pre", "pre, post or none")
     forward_prefetch: bool = opt(True, "gather the next unit before it runs in forward")
     limit_all_gathers: int = opt(2, "at most this many units gathered ahead of use (0: no limit)")
+    pp: int = opt(1, "pipeline stages (torch.distributed.pipelining's 1F1B over --grad-accum microbatches), each "
+                     "sharded over nproc / pp ranks")
     # run
     nproc: int = opt(0, "ranks to start (0: 1 per GPU, else 2); ignored under torchrun")
     replicas: int = opt(1, "replica groups of nproc/replicas ranks each, with --fault-tolerant (torchft across them)")
@@ -123,7 +125,31 @@ def flag(name: str) -> str:
 def problem(cfg: TrainConfig) -> str | None:
     """What is wrong with the configuration, in one line; None when nothing is."""
     return choice_problem(cfg) or number_problem(cfg) or dims_problem(gpt_dims(cfg)) or data_problem(cfg) or \
-        replica_problem(cfg) or unused_problem(cfg, world=2, shard_world=2)  # the ranks when they are known
+        replica_problem(cfg) or pipeline_problem(cfg) or unused_problem(cfg, world=2, shard_world=2)  # the ranks
+    # when they are known
+
+
+def pipeline_problem(cfg: TrainConfig, world: int | None = None) -> str | None:
+    """--pp: what a pipeline needs (enough blocks, microbatches and ranks; `world`, once known),
+    and what it does not take."""
+    if cfg.pp == 1:
+        return None
+    layers = gpt_dims(cfg)["n_layer"]
+    if cfg.pp > layers:
+        return f"--pp {cfg.pp} needs a block a stage at least; the GPT has {layers} (--n-layer)"
+    if cfg.grad_accum < cfg.pp:
+        return f"--pp {cfg.pp} needs at least as many microbatches a step: pass --grad-accum {cfg.pp} or more"
+    if world is not None and world % cfg.pp:
+        return f"--pp {cfg.pp} must divide the {world} ranks into stages of equal size (--nproc)"
+    for name, value, why in (("plan", "auto", "the planner prices a pipeline with `fullshard plan --pp`"),
+                             ("strategy", "hybrid_shard", "each stage's ranks are one shard group"),
+                             ("precision", "fp16", "the loss scaler's step would span the stages; use bf16"),
+                             ("optimizer", "muon", "train it with AdamW")):
+        if getattr(cfg, name) == value:
+            return f"--pp does not take {flag(name)} {value}: {why}"
+    if cfg.fault_tolerant:
+        return "--pp does not take --fault-tolerant: a replica group is one pipeline"
+    return None
 
 
 def replica_problem(cfg: TrainConfig) -> str | None:
@@ -196,7 +222,7 @@ def unused_problem(cfg: TrainConfig, world: int, shard_world: int) -> str | None
 
 def number_problem(cfg: TrainConfig) -> str | None:
     """A number out of its range; NaN and infinity are out of every range."""
-    for name in ("steps", "global_batch", "grad_accum", "eval_batches", "eval_interval"):
+    for name in ("steps", "global_batch", "grad_accum", "eval_batches", "eval_interval", "pp"):
         if (problem := range_problem(name, getattr(cfg, name), 1, MAX_COUNT)) is not None:
             return problem
     if (problem := range_problem("replicas", cfg.replicas, 1, MAX_COUNT)) is not None:

@@ -26,14 +26,16 @@ import torch.distributed as dist
 
 import fullshard
 from fullshard import runtime
-from fullshard.cli.config import TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes, unused_problem
+from fullshard.cli import pipeline
+from fullshard.cli.config import (TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes, pipeline_problem,
+                                    unused_problem)
 from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.cli.run_log import latest_rows, open_log, plot, read_rows, summary
 from fullshard.collectives import all_reduce_
 from fullshard.errors import CollectiveError, EveryRankError, FullShardError, collective_failed, fail
 from fullshard.stats import return_freed_memory
-from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.gpt import GPT, Block, GPTConfig, parameter_count
 
 NCCL_WATCHDOG_GRACE = timedelta(seconds=60)  # Note [cli deadlines]
 
@@ -51,6 +53,12 @@ class Run:
     scaler: fullshard.GradScaler | None
     train_data: torch.Tensor  # [training bytes] uint8
     val_data: torch.Tensor  # [validation bytes] uint8
+    pipe: pipeline.Pipeline | None = None  # --pp: this rank's stage (`model`) and its schedules
+
+    @property
+    def data_ranks(self) -> tuple[int, int]:
+        """(this rank's place, of how many) among the ranks that take separate data."""
+        return (self.pipe.dp_rank, self.pipe.dp) if self.pipe is not None else (self.rank, self.world)
 
     @property
     def timeout(self) -> timedelta:
@@ -69,9 +77,9 @@ def train(cfg: TrainConfig) -> int:
             return fatal(str(e))
     rank, world, device = join_job(cfg)
     shard_world = world if cfg.strategy != "hybrid_shard" else int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    message = unused_problem(cfg, world, shard_world) or (
-        f"--global-batch {cfg.global_batch} must divide into {world} ranks x {cfg.grad_accum} micro-batches"
-        if cfg.global_batch % (world * cfg.grad_accum) else None)
+    message = pipeline_problem(cfg, world) or unused_problem(cfg, world // cfg.pp, shard_world // cfg.pp) or (
+        f"--global-batch {cfg.global_batch} must divide into {world // cfg.pp} data-parallel ranks x "
+        f"{cfg.grad_accum} micro-batches" if cfg.global_batch % (world // cfg.pp * cfg.grad_accum) else None)
     if message is not None:  # what depends on the job's ranks: said once, as an argument's problem
         if rank == 0:
             fatal(message)
@@ -143,11 +151,20 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
     its shards) with its optimizer; and a line describing them."""
     train_bytes, val_bytes, source = corpus(cfg.data)
     dims = gpt_dims(cfg)
-    torch.manual_seed(cfg.seed)
-    with torch.device("meta"):
-        model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
-    n_params = sum(p.numel() for p in model.parameters())
-    setting = shard(model, cfg, world, rank, device, held=len(train_bytes) + len(val_bytes))
+    held = len(train_bytes) + len(val_bytes)
+    pipe = None
+    if cfg.pp > 1:  # this rank's stage, the model it shards (its untied head: GPTStage)
+        settings = []
+        pipe = pipeline.build(cfg, dims, device, world, lambda stage, mesh: settings.append(
+            shard(stage, cfg, world, rank, device, held, mesh)))
+        model, setting = pipe.stage, f"{settings[0]}, stage {pipe.index + 1} of {cfg.pp} (1F1B)"
+        n_params = parameter_count(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims)) + 256 * dims["n_embd"]
+    else:
+        torch.manual_seed(cfg.seed)
+        with torch.device("meta"):
+            model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
+        n_params = sum(p.numel() for p in model.parameters())
+        setting = shard(model, cfg, world, rank, device, held)
     model.set_timeout(cfg.timeout)
     model.set_debug_checks(cfg.debug_checks)
     model.set_nonfinite_grads(nonfinite_policy(cfg))
@@ -155,7 +172,7 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
     run = Run(cfg, rank, world, device, model, optimizer,
               scaler=fullshard.GradScaler(device.type) if cfg.precision == "fp16" else None,
               train_data=torch.frombuffer(train_bytes, dtype=torch.uint8),
-              val_data=torch.frombuffer(val_bytes, dtype=torch.uint8))
+              val_data=torch.frombuffer(val_bytes, dtype=torch.uint8), pipe=pipe)
     description = (f"fullshard {version()}: GPT {cfg.preset} {dims}, {n_params / 1e6:.2f}M parameters, "
                    f"{world} ranks ({device.type}), {setting}; data: {source}, {len(train_bytes) / 1e6:.1f} MB "
                    f"train / {len(val_bytes) / 1e6:.1f} MB validation")
@@ -185,10 +202,12 @@ def planned(model: torch.nn.Module, cfg: TrainConfig, world: int, budget: int, h
                           seq=cfg.seq_len, hardware=hardware, optimizer=cfg.optimizer)
 
 
-def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, device: torch.device, held: int) -> str:
-    """Shard `model` as the options say, or as fullshard.plan chooses (--plan auto: for the
-    budget less the `held` bytes of text each rank keeps in host memory on a CPU, which the
-    planner's peak, the rest of the process's, does not count); how, in words."""
+def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, device: torch.device, held: int,
+          mesh=None) -> str:
+    """Shard `model` as the options say (over `mesh`: a pipeline stage's data-parallel ranks; None:
+    every rank), or as fullshard.plan chooses (--plan auto: for the budget less the `held` bytes
+    of text each rank keeps in host memory on a CPU, which the planner's peak, the rest of the
+    process's, does not count); how, in words."""
     if cfg.plan == "auto":
         held = held if device.type == "cpu" else 0
         try:
@@ -212,7 +231,7 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, devic
             param_dtype=low, gather_dtype=gather, reduce_send_dtype=send) if low or gather or send else None,
         offload_policy=fullshard.CPUOffloadPolicy() if cfg.cpu_offload else None,
         backward_prefetch=None if cfg.backward_prefetch == "none" else cfg.backward_prefetch,
-        forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None)
+        forward_prefetch=cfg.forward_prefetch, limit_all_gathers=cfg.limit_all_gathers or None, mesh=mesh)
     return f"{cfg.strategy}, {cfg.precision}" + (f", {cfg.gather} gathers" if gather else "") + \
         (f", gradients sent in {cfg.reduce}" if send else "")
 
@@ -273,9 +292,15 @@ def train_step(run: Run, step: int, comm_stats, manager=None) -> dict:
     for group in run.optimizer.param_groups:
         group["lr"] = lr * group.get("peak_lr", cfg.lr) / cfg.lr  # a checkpoint from before peak_lr: --lr
     loss_sum = torch.zeros((), device=run.device)
+    data_rank, data_ranks = run.data_ranks
+    between_stages = 0  # bytes this rank sent to other stages
     with comm_stats as comm:
         offsets = batch_offsets(len(run.train_data), step, seed=cfg.seed, seq_len=cfg.seq_len, batch=cfg.global_batch)
-        for micro_offsets in offsets.chunk(cfg.grad_accum):
+        if run.pipe is not None:  # the schedule takes the rank's micro-batches at once
+            x, y = batch_rows(run.train_data, offsets.chunk(data_ranks)[data_rank], cfg.seq_len, run.device)
+            mean, between_stages = pipeline.train_step(run.pipe, x, y, step + 1)
+            loss_sum += mean.to(run.device)
+        for micro_offsets in offsets.chunk(cfg.grad_accum) if run.pipe is None else ():
             mine = micro_offsets.chunk(parts)[place].chunk(run.world)[run.rank]
             x, y = batch_rows(run.train_data, mine, cfg.seq_len, run.device)
             loss = model(x, y) / cfg.grad_accum
@@ -285,9 +310,9 @@ def train_step(run: Run, step: int, comm_stats, manager=None) -> dict:
     ranks = exchange_metrics([loss_sum, grad_norm, peak_memory_mb(run.device)], step=step + 1, device=run.device,
                              timeout=run.timeout)
     seconds = time.perf_counter() - begin
-    return {"step": step + 1, "loss": sum(r[0] for r in ranks) / run.world, "lr": lr, "grad_norm": ranks[run.rank][1],
-            "tokens_per_s": cfg.global_batch // parts * cfg.seq_len / seconds,
-            "peak_mem_mb": [round(r[2], 1) for r in ranks], "sent_bytes": comm.sent_bytes,
+    return {"step": step + 1, "loss": sum(r[0] for r in ranks) / data_ranks, "lr": lr,
+            "grad_norm": ranks[run.rank][1], "tokens_per_s": cfg.global_batch // parts * cfg.seq_len / seconds,
+            "peak_mem_mb": [round(r[2], 1) for r in ranks], "sent_bytes": comm.sent_bytes + between_stages,
             "wait_s": round(comm.wait_s, 4)}
 
 
@@ -323,16 +348,18 @@ def write_row(log: TextIO | None, progress, record: dict) -> None:
 def evaluate(run: Run) -> float:
     """The validation loss: the mean over --eval-batches batches, the same ones every time."""
     cfg = run.cfg
+    data_rank, data_ranks = run.data_ranks
     run.model.eval()
     total = torch.zeros((), device=run.device)
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             offsets = batch_offsets(len(run.val_data), -1 - i, seed=cfg.seed, seq_len=cfg.seq_len,
-                                    batch=cfg.global_batch).chunk(run.world)[run.rank]
-            total += run.model(*batch_rows(run.val_data, offsets, cfg.seq_len, run.device)).float()
+                                    batch=cfg.global_batch).chunk(data_ranks)[data_rank]
+            batch = batch_rows(run.val_data, offsets, cfg.seq_len, run.device)
+            total += (run.model(*batch) if run.pipe is None else pipeline.evaluate(run.pipe, *batch).to(total)).float()
     run.model.train()
     total_sum = share(total, timeout=run.timeout, what="the all-reduce of the validation loss")
-    return total_sum / (cfg.eval_batches * run.world)
+    return total_sum / (cfg.eval_batches * data_ranks)  # --pp: the last stage's ranks hold the losses
 
 
 def sample(run: Run) -> str:
@@ -346,10 +373,13 @@ def sample(run: Run) -> str:
     run.model.eval()
     with torch.no_grad():
         for i in range(cfg.sample_bytes):
-            logits = run.model(generated[:, -cfg.seq_len:])[:, -1].float()
-            token = torch.multinomial(F.softmax(logits.cpu() / 0.8, dim=-1), 1, generator=generator).to(run.device)
-            if run.rank != 0:
-                token.zero_()
+            context = generated[:, -cfg.seq_len:]
+            logits = run.model(context)[:, -1].float() if run.pipe is None else \
+                pipeline.next_logits(run.pipe, context, cfg.seq_len)  # --pp: on the last stage only
+            token = torch.zeros((1, 1), dtype=generated.dtype, device=run.device)
+            drawing = run.rank == 0 if run.pipe is None else logits is not None and run.pipe.dp_rank == 0
+            if drawing:  # the others add nothing to the sum that shares it
+                token = torch.multinomial(F.softmax(logits.cpu() / 0.8, dim=-1), 1, generator=generator).to(run.device)
             share(token, timeout=run.timeout, what=f"the all-reduce of byte {i + 1} of the sample")
             generated = torch.cat([generated, token], dim=1)
     return bytes(generated[0].tolist()).decode("utf-8", errors="replace")
