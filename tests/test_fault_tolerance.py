@@ -392,10 +392,10 @@ def test_addresses_are_ip_literals_and_a_wildcard_warns():
 # ---- fullshard train --fault-tolerant ----------------------------------------------------------
 
 
-def test_train_survives_a_killed_replica_group_and_logs_every_step_once(tmp_path):
-    """The issue's bar check: 2 ranks as 2 replica groups, a rank SIGKILLed at about step 20: the
-    command ends with 0, metrics.jsonl holds every step once, participants go 2 -> 1 -> 2. (200
-    steps, not 60: a tiny step takes ~45 ms here and a restarted group ~3 s to rejoin.)"""
+def train_killing_group_1(out, after_rows: int) -> tuple[list[dict], str]:
+    """`fullshard train` of the tiny GPT for 200 steps as 2 replica groups of 1 rank, group 1's
+    rank SIGKILLed once metrics.jsonl holds `after_rows` rows: the rows and the launcher's
+    stderr, once it ended with 0 and said it restarted group 1."""
     import json
     import os
     import signal
@@ -407,28 +407,44 @@ def test_train_survives_a_killed_replica_group_and_logs_every_step_once(tmp_path
     run = subprocess.Popen([sys.executable, "-m", "fullshard.cli", "train", "--preset", "tiny", "--steps", "200",
                             "--nproc", "2", "--replicas", "2", "--fault-tolerant", "--seq-len", "32",
                             "--global-batch", "8", "--eval-interval", "1000", "--eval-batches", "1",
-                            "--sample-bytes", "0", "--timeout", "20", "--out", str(tmp_path)],
+                            "--sample-bytes", "0", "--timeout", "20", "--out", str(out)],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        log = tmp_path / "metrics.jsonl"
+        log = out / "metrics.jsonl"
         deadline = time.monotonic() + 120
-        while not (log.is_file() and len(log.read_text().splitlines()) >= 20):
+        while not (log.is_file() and len(log.read_text().splitlines()) >= after_rows):
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()
-            time.sleep(0.1)
+            time.sleep(0.02)
         ranks = subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True, text=True).stdout.split()
         group_1 = [pid for pid in ranks if b"FULLSHARD_REPLICA=1\0" in open(f"/proc/{pid}/environ", "rb").read()]
         assert len(group_1) == 1, ranks
         os.kill(int(group_1[0]), signal.SIGKILL)
-        out, err = run.communicate(timeout=180)
+        out_text, err = run.communicate(timeout=180)
     finally:
         run.kill()
     assert run.returncode == 0, err[-3000:]
     assert "replica group 1: rank 0 was killed by SIGKILL; restarting it" in err
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, 201))
+    return [json.loads(line) for line in log.read_text().splitlines()], err
+
+
+def test_train_survives_a_killed_replica_group_and_logs_every_step_once(tmp_path):
+    """The issue's bar check: 2 ranks as 2 replica groups, a rank SIGKILLed at about step 20: the
+    command ends with 0, metrics.jsonl holds every step once, participants go 2 -> 1 -> 2. (200
+    steps, not 60: a tiny step takes ~45 ms here and a restarted group ~3 s to rejoin.)"""
+    rows, err = train_killing_group_1(tmp_path, 20)
+    assert [row["step"] for row in rows] == list(range(1, 201)), ([row["step"] for row in rows], err[-3000:])
     participants = [row["participants"] for row in rows]
     fewer = [i for i, n in enumerate(participants) if n == 1 and i >= 19]
     assert fewer and participants[-1] == 2 and all(n == 2 for n in participants[fewer[-1] + 1:]), participants
+
+
+def test_a_group_restarted_too_late_trains_nothing_alone(tmp_path):
+    """Group 1 killed 5 steps before the end: the live group finishes before the restarted one is
+    up, so that one never finds a group to heal from. It takes no step alone (Note [rejoining
+    first]; before, it trained the run again from step 1 for LATE_GROUP_S and logged those rows
+    a second time) and the launcher ends it: every step logged once."""
+    rows, err = train_killing_group_1(tmp_path, 195)
+    assert [row["step"] for row in rows] == list(range(1, 201)), ([row["step"] for row in rows], err[-3000:])
 
 
 @pytest.mark.parametrize("args, words", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 from typing import Callable
 
 import pytest
@@ -166,10 +167,11 @@ def optimizer_for(name: str, params: list[nn.Parameter], muon) -> list[torch.opt
 
 def pipeline_job(schedule: str = "Schedule1F1B", impl: str = "fullshard", mesh: str = "dp", optimizer: str = "sgd",
                  clip: bool = False, reduce: str = "exact", checkpointed: bool = False, meta: bool = False,
-                 model: str = "chain") -> dict:
+                 model: str = "chain", poison: bool = False) -> dict:
     """STEPS steps of `model` in a pipeline of 2 ranks times the data-parallel (and TP) ranks
     of `mesh` under `schedule`, each block and each stage a unit: the last stage's losses, the
-    norm clipping saw, and every stage's full parameters by name."""
+    norm clipping saw, and every stage's full parameters by name. `poison`: one gradient of
+    stage 0 on one rank becomes NaN after each schedule step."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     shape, names, dp_names = MESHES[mesh]
@@ -213,6 +215,8 @@ def pipeline_job(schedule: str = "Schedule1F1B", impl: str = "fullshard", mesh: 
             step_losses: list[torch.Tensor] = []
             last = {"target": targets, "losses": step_losses} if n_stages - 1 in indices else {}
             runner.step(inputs, **last) if 0 in indices else runner.step(**last)
+            if poison and indices[0] == 0 and dp_index == 0:
+                next(stages[0].parameters()).grad.to_local().view(-1)[0] = float("nan")
             if clip:  # one norm over every stage of every rank
                 norms.append(fullshard.clip_grad_norm_(nn.ModuleList(stages), MAX_NORM).item())
             for opt in optimizers:
@@ -348,6 +352,10 @@ def test_clipping_muon_low_precision_checkpointing_and_meta_init_compose(world4)
     clipped = merged(world4.run(pipeline_job, schedule="ScheduleInterleaved1F1B", clip=True))
     assert_like_one_process(clipped, reference(clip=True), TOL)
     assert len(clipped["norms"]) == STEPS and clipped["norms"][0] > MAX_NORM  # it clipped
+    # a NaN in one stage's gradient on one rank: every rank's norm says so (docs/composition.md's
+    # way to skip a whole pipeline step)
+    for got in world4.run(pipeline_job, clip=True, poison=True):
+        assert len(got["norms"]) == STEPS and all(math.isnan(norm) for norm in got["norms"]), got["norms"]
     # fullshard.optim.Muon over a rank's stages (AdamW for the biases): torch.optim.Muon's steps
     # on the gradients the pipeline sums, bitwise (Newton-Schulz in bf16 would turn a regrouped
     # sum's last bits into bf16 roundings of the step)

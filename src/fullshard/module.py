@@ -290,7 +290,7 @@ class FSDPModule(TorchFSDPModule):
             policy: ``"raise"`` (a FullShardError naming the unit and step, from ``backward()``),
                 ``"skip"`` (every rank drops all gradients of the step, so ``optimizer.step()``
                 changes nothing; counted in ``fullshard.stats``) or ``None`` (no check, the
-                default). It applies to this unit and every unit below it (on the root: the
+                default). A pipeline stage decides alone (docs/composition.md). It applies to this unit and every unit below it (on the root: the
                 whole model).
         """
         if policy not in (None, "raise", "skip"):

@@ -28,7 +28,7 @@ listeners (the lighthouse, each group's TCPStore and Manager server, gloo across
 on --ft-bind, where a local user can stop or stall the run, never run code in it (nothing
 that arrives is unpickled: docs/fault-tolerance.md). A group whose rank
 dies is ended and started again while another group is alive: it heals from a live group and
-rejoins (docs/fault-tolerance.md). When no other group is alive, that counts against
+rejoins (docs/fault-tolerance.md; Note [rejoining first] in replica.py). When no other group is alive, that counts against
 --max-restarts, and the restarted groups resume from their own checkpoints. Only a rank killed
 by a signal (SIGKILL, the OOM killer, a crash in native code) is restarted: one that exits
 with 2 or 3 said why (a bad argument, a refused heal), one that exits with 1 raised an
@@ -77,6 +77,7 @@ from fullshard.checkpoint.files import Folder
 LAUNCHER_PID = "FULLSHARD_LAUNCHER_PID"  # set for the ranks: whom they must die with
 STORE_FILE = "FULLSHARD_STORE_FILE"  # set for the ranks: the FileStore they meet in (Note [local launch])
 REPLICA = "FULLSHARD_REPLICA"  # set for a replica group's ranks: the group's index (Note [replica groups])
+REJOINING = "FULLSHARD_REJOINING"  # set for a group restarted while another is alive: it heals before it trains
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 END_GRACE_S = 10  # a rank told to end (SIGTERM) that is still there after this is killed
 LATE_GROUP_S = 5  # a replica group not done this long after another finished --steps is ended
@@ -134,9 +135,10 @@ def launch_replicas(command: list[str], nproc: int, replicas: int, bind: str, ma
     stops: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
 
-    def start(group: int, attempt: int) -> list[subprocess.Popen]:
+    def start(group: int, attempt: int, rejoining: bool = False) -> list[subprocess.Popen]:
         store = os.path.join(rendezvous, f"replica-{group}-attempt-{attempt}")
-        env = {**replica_env(bind), REPLICA: str(group), "TORCHFT_LIGHTHOUSE": lighthouse.address()}
+        env = {**replica_env(bind), REPLICA: str(group), REJOINING: "1" if rejoining else "0",
+               "TORCHFT_LIGHTHOUSE": lighthouse.address()}
         return [subprocess.Popen(command, env={**rank_env(rank, size, store, attempt), **env}, start_new_session=True)
                 for rank in range(size)]
 
@@ -174,7 +176,7 @@ def launch_replicas(command: list[str], nproc: int, replicas: int, bind: str, ma
                 attempts[group] += 1
                 print(f"fullshard: replica group {group}: {failure(*failed)}; restarting it (it heals from a live "
                       f"group, or resumes from its checkpoint)", file=sys.stderr, flush=True)
-                groups[group] = start(group, attempts[group])
+                groups[group] = start(group, attempts[group], rejoining=alive)
             time.sleep(0.05)
         print(f"fullshard: stopped by {signal.Signals(stops[0]).name}; the same command resumes from the newest "
               f"checkpoint", file=sys.stderr, flush=True)

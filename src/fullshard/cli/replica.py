@@ -6,6 +6,15 @@ Note [replica rows]: each committed step is logged once, by rank 0 of the group 
 that step's quorum (a healing group takes no place), with the step's participants; the groups
 take turns appending to metrics.jsonl. A group's batch is its place's part of the step's
 global batch, so a step with fewer groups trains on fewer sequences.
+
+Note [rejoining first]: a group restarted while another is alive must heal from it before it
+trains. torchft's lighthouse keeps a lone restarted group out of a quorum while the live one
+heartbeats, but a live group whose heartbeat lapses (a stalled host) lets the restarted one
+form a quorum alone, at its own step, behind the run: it would train and log steps that were
+committed already, and then heal the live group back to them. So a rejoining group takes no
+step in a quorum of itself alone at its starting step: it asks again until a group is there
+to heal from, for up to --timeout seconds (then no group is alive to wait for: it goes on
+from its checkpoint, as a whole restart does).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import torch.distributed as dist
 import fullshard
 from fullshard import ft
 from fullshard.cli.config import TrainConfig, gpt_dims
-from fullshard.cli.launcher import REPLICA
+from fullshard.cli.launcher import REJOINING, REPLICA
 from fullshard.cli.run_log import append_log
 from fullshard.cli.trainer import Run, build, evaluate, join_job, report, sample, share, start_rank, train_step
 
@@ -84,10 +93,16 @@ def train_loop(run: Run, manager: ft.Manager, log, ckpt: Path) -> bool:
     cfg = run.cfg
     comm_stats = fullshard.stats(run.model)
     saving, last, logged = None, time.perf_counter(), False
+    rejoining = os.environ.get(REJOINING) == "1"
+    start, deadline = manager.current_step(), time.monotonic() + cfg.timeout
     while manager.current_step() < cfg.steps:
         manager.start_quorum()
         manager.wait_quorum()
         step = manager.current_step()  # a healed group's is the live group's
+        if rejoining and step == start and manager.num_participants() <= 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # alone, behind the run: no step until a live group is there (Note [rejoining first])
+            continue
+        rejoining = False
         writer = manager.participating_rank() == 0 and log is not None
         record = train_step(run, step, comm_stats, manager)
         if manager.current_step() == step:  # not committed: redone with the next quorum
