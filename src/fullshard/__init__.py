@@ -11,10 +11,12 @@ from fullshard.state_dict import get_state_dict, init_weights_from, set_state_di
 from fullshard.stats import Stats
 from fullshard.training import GradScaler, clip_grad_norm_, full_params, no_sync, stats
 from fullshard.wrap import shard_model
+from fullshard.diloco import DiLoCo
 from fullshard import optim  # fullshard.optim.Muon, MatrixOptimizer, muon_groups
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DiLoCo",
     "FSDPModule",
     "FullShardError",
     "GradScaler",

@@ -151,6 +151,11 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     """
     check_path(path, "save")
     check_optimizer(optimizer)
+    require(not getattr(optimizer, "replicas_in_job", False), "fullshard.save was given a DiLoCo whose replica "
+            "groups share this job: their parameters differ between syncs, and one checkpoint of the model would "
+            "hold one replica's shards over another's", "fullshard.save cannot save such a job yet: keep each rank's "
+            "diloco.state_dict() and model.state_dict() (its shards) yourself; loading both resumes bit for bit "
+            "(docs/diloco.md).")
     require(step is None or type(step) is int and 0 <= step <= MAX_INT,
             f"save(step={step!r}) must be a non-negative int or None", "Pass step=1000.")
     require(type(block) is bool, f"save(block={block!r}) must be True or False", "Pass block=False to write in "

@@ -1,0 +1,462 @@
+"""DiLoCo across replica groups: each group trains alone for H inner steps, then the groups
+average how far each moved (the outer gradient) and take one outer optimizer step from where
+they last agreed.
+
+# Note [outer steps]: `DiLoCo` wraps the inner optimizer of a model that fullshard shards inside
+# one replica group (its mesh holds no rank of another group) and owns, on each rank, a float32
+# host copy of every trainable local shard as it was at the last sync: the anchor. Fragment f
+# (a list of units; the whole model by default) syncs after inner step t when t % H equals
+# (f + 1) * H // K % H, so the K fragments take turns, each once every H steps. A sync of a
+# fragment:
+# - outer gradient = anchor - local shard, of each of its parameters, as one float32 row;
+# - sent as float32, bfloat16 or int8 blocks (Note [block codes] in blocks.py: one scale per
+#   block of 256 values of one parameter), after a header of three int64s: a digest of the
+#   fragment's layout and the settings, its index, and the inner step. One all-gather over the replica group;
+# - every replica decodes every row and adds them in replica order into a float32 sum, divided
+#   by the number of replicas: the same bits on every replica. A header that differs (another
+#   model, fragment or step) or a row holding an inf or a NaN raises a FullShardError on every
+#   replica before anything changes;
+# - the outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default, DiLoCo's) steps the
+#   anchors with that average as their gradient, and the fragment's parameters take the anchors'
+#   values: right after a sync every replica holds bitwise the same fragment.
+# With overlap, a sync's all-gather is started at its step and finished in the next step's
+# call, after that inner step ran (Streaming DiLoCo's overlap of one step): the fragment then
+# takes the outer step's result, and that one inner step's change to it is dropped (their
+# mixing factor alpha = 0), which keeps the replicas bitwise equal.
+# The inner optimizer's state stays each replica's own. Outer state (anchors, the outer
+# optimizer's per-parameter state) is laid out as the parameters' shards, so it is part of this
+# optimizer's state dict, saved and resharded by fullshard.save/load like any optimizer's
+# ("outer_anchor", "outer_<key>", "diloco_step" entries next to the inner optimizer's).
+# We wrote our own outer step rather than use torchft's DiLoCo: torchft's all-reduces the
+# outer gradients, so a backend sums them in the wire's dtype (no int8 blocks summed in
+# float32), and its quantization needs Triton on a GPU.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fullshard.blocks import BLOCK, Codes, blocks_of, decode, encode_, flagged
+from fullshard.checks import dp_groups
+from fullshard.collectives import Caller, _all_gather_single, all_gather_ints, all_gather_json, site, wait_all
+from fullshard.errors import CollectiveError, collective_failed, fail, require
+from fullshard.hooks import units_of
+from fullshard.param import ShardedParam
+from fullshard.runtime import launched
+from fullshard.state_dict import param_names
+
+OUTER_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
+HEADER = 24  # bytes: the layout's and settings' digest, the fragment's index, the inner step (int64 each)
+INT8 = Codes(torch.int8)
+LAYOUT = site("DiLoCo's comparison of the replicas' parameters")
+NONFINITE = site("DiLoCo's agreement on a non-finite outer gradient")
+
+
+def nesterov(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum 0.9 at learning rate 0.7."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+class Wire:
+    """A fragment's outer gradient on the wire in one dtype (Note [outer steps]): float32 and
+    bfloat16 as they are, int8 as blocks of one parameter each (their scales first, then the
+    codes, each parameter's codes as many as its values)."""
+
+    def __init__(self, dtype: torch.dtype, numels: list[int], device: torch.device) -> None:
+        self.dtype, self.numel = dtype, sum(numels)
+        self.blocks = sum(blocks_of(n) for n in numels)
+        if dtype == torch.int8:  # where each code sits in the blocks, padded to BLOCK values each
+            starts, block = [], 0
+            for n in numels:
+                starts.append(torch.arange(n, device=device) + block * BLOCK)
+                block += blocks_of(n)
+            self.slots = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.int64, device=device)
+            values = 4 * self.blocks + self.numel
+        else:
+            values = self.numel * dtype.itemsize
+        self.nbytes = -(-values // 8) * 8  # rows stay 8-byte aligned in the all-gather's output
+
+    def encode(self, delta: torch.Tensor, out: torch.Tensor) -> None:
+        """Write float32 `delta` ([numel]) into `out` ([nbytes] uint8)."""
+        if self.dtype != torch.int8:
+            out[: self.numel * self.dtype.itemsize].view(self.dtype).copy_(delta)
+            return
+        padded = torch.zeros(self.blocks * BLOCK, dtype=torch.float32, device=delta.device)
+        padded[self.slots] = delta
+        scales = encode_(padded.view(self.blocks, BLOCK), INT8, host=delta.device.type == "cpu")
+        out[: 4 * self.blocks].view(torch.float32).copy_(scales)
+        out[4 * self.blocks : 4 * self.blocks + self.numel].view(torch.int8).copy_(padded[self.slots])
+
+    def add_decoded(self, row: torch.Tensor, total: torch.Tensor) -> None:
+        """total ([numel] float32) += the values `row` ([nbytes] uint8) carries."""
+        if self.dtype != torch.int8:
+            total.add_(row[: self.numel * self.dtype.itemsize].view(self.dtype).float())
+            return
+        scales = row[: 4 * self.blocks].view(torch.float32)
+        codes = torch.zeros(self.blocks * BLOCK, dtype=torch.float32, device=row.device)
+        codes[self.slots] = row[4 * self.blocks : 4 * self.blocks + self.numel].view(torch.int8).float()
+        values = torch.empty_like(codes)
+        decode(codes.view(self.blocks, BLOCK), scales[:, None], values.view(self.blocks, BLOCK), INT8,
+               full=flagged(scales, row.device.type == "cpu"))
+        total.add_(values[self.slots])
+
+
+@dataclass
+class Fragment:
+    """Units synced together, their trainable parameters and anchors (Note [outer steps])."""
+
+    index: int
+    names: list[str]
+    params: list[ShardedParam]
+    anchors: list[nn.Parameter]
+    phase: int  # it syncs after inner step t when t % sync_every == phase
+    digest: int = 0
+    wire: Wire | None = None
+
+
+@dataclass
+class InFlight:
+    """A fragment's all-gather, started, not yet waited for."""
+
+    fragment: Fragment
+    works: list
+    rows: torch.Tensor
+    step: int
+    sent: torch.Tensor = field(repr=False, default=None)
+
+
+class DiLoCo(torch.optim.Optimizer):
+    """DiLoCo (Douillard et al., 2023) and its streaming form over replica groups, as an
+    optimizer wrapping the inner one (Note [outer steps] in fullshard/diloco.py).
+
+    Args:
+        model: the sharded model of this replica group: sharded over the group's own ranks, none
+            of `replicas` but this one among them.
+        inner: its optimizer (AdamW, Muon, ...), stepped by ``step()``.
+        replicas: the process group (or 1-D DeviceMesh) of the ranks holding the same shards in
+            the other replica groups, this rank among them.
+        sync_every: H, inner steps between two syncs of a fragment (at least 1).
+        fragments: K, how many fragments of consecutive units (balanced by parameters), or the
+            fragments as lists of units (modules fully_shard sharded), each unit in exactly one.
+        outer_optimizer: builds the outer optimizer from the anchors; Nesterov SGD (lr 0.7,
+            momentum 0.9) by default.
+        outer_dtype: what the outer gradients are sent as: torch.float32, torch.bfloat16 or
+            torch.int8 (blocks with a float32 scale each); summed in float32 either way.
+        overlap: finish each sync's exchange in the next step's call, overlapping it with that
+            inner step.
+        timeout: seconds an exchange may take; the model's timeout by default.
+    """
+
+    def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, replicas: dist.ProcessGroup | DeviceMesh, *,
+                 sync_every: int, fragments: int | list[list[nn.Module]] = 1,
+                 outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = nesterov,
+                 outer_dtype: torch.dtype = torch.float32, overlap: bool = False,
+                 timeout: float | None = None) -> None:
+        require(isinstance(inner, torch.optim.Optimizer), f"DiLoCo's inner optimizer must be a torch.optim.Optimizer, "
+                f"got {type(inner).__name__}", "Pass the optimizer built from the sharded model's parameters.")
+        require(type(sync_every) is int and sync_every >= 1, f"DiLoCo(sync_every={sync_every!r}) must be an int of "
+                f"at least 1", "Pass how many inner steps go between two syncs, e.g. sync_every=50.")
+        require(outer_dtype in OUTER_DTYPES, f"DiLoCo(outer_dtype={outer_dtype!r}) is not offered",
+                "Pass torch.float32, torch.bfloat16 or torch.int8.")
+        require(type(overlap) is bool, f"DiLoCo(overlap={overlap!r}) must be True or False", "Pass overlap=True.")
+        units = units_of(model, "DiLoCo")
+        self.group = replicas.get_group() if isinstance(replicas, DeviceMesh) else replicas
+        require(isinstance(self.group, dist.ProcessGroup), f"DiLoCo's replicas must be a process group or a 1-D "
+                f"DeviceMesh, got {type(replicas).__name__}", "Pass mesh['replicate'] of a (replicate, shard) mesh.")
+        check_apart(units, self.group)
+        self.inner, self.sync_every, self.outer_dtype, self.overlap = inner, sync_every, outer_dtype, overlap
+        self.timeout = timedelta(seconds=timeout) if timeout is not None else units[0].timeout
+        self.device = units[0].group.device
+        self.model_groups = [g for g in dp_groups(units[0].group) if dist.get_world_size(g) > 1]
+        self.replicas_in_job = True  # fullshard.save would write every replica's shards as one model's
+        self.replica_count = dist.get_world_size(self.group)
+        self.fragments = split(model, units, fragments, sync_every)
+        self.check_replicas()
+        anchors = [a for f in self.fragments for a in f.anchors]
+        self.outer = outer_optimizer(anchors)
+        require(isinstance(self.outer, torch.optim.Optimizer), "DiLoCo's outer_optimizer must build a "
+                "torch.optim.Optimizer", "Pass e.g. lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, "
+                "nesterov=True).")
+        self.steps, self.bytes_sent = 0, 0
+        self.in_flight: list[InFlight] = []
+        self.pending: list[tuple[Fragment, torch.Tensor]] = []  # averages received, their outer steps not taken
+        self.owner = {p.sharded: (f, i) for f in self.fragments for i, p in enumerate(f.params)}
+        super().__init__([p for group in inner.param_groups for p in group["params"]], {})
+        self.param_groups = inner.param_groups  # the inner optimizer's: a scheduler changes them there
+        self.state = OuterState(self)
+
+    def check_replicas(self) -> None:
+        """Every replica holds the same fragments of the same parameters (by name, shape, dtype) and
+        starts from the same values: a FullShardError on every replica otherwise."""
+        described = [[f.index, name, list(p.local_shape), list(p.global_shape), str(p.sharded.dtype)]
+                     for f in self.fragments for name, p in zip(f.names, f.params)]
+        described.append(["sync_every", self.sync_every, "outer_dtype", OUTER_DTYPES[self.outer_dtype], "overlap",
+                          self.overlap])
+        for f in self.fragments:
+            f.digest = zlib.crc32(repr([d for d in described if d[0] in (f.index, "sync_every")]).encode()) & 0x7FFFFFFF
+            f.wire = Wire(self.outer_dtype, [p.sharded.to_local().numel() for p in f.params], self.device)
+        bits = [int(a.detach().view(torch.int32).sum(dtype=torch.int64)) for f in self.fragments for a in f.anchors]
+        mine = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(bits).encode())]
+        try:
+            everyone = all_gather_ints(mine, device=self.device, timeout=self.timeout, group=self.group, what=LAYOUT)
+            if len({tuple(d[:1]) for d in everyone}) > 1:
+                theirs = all_gather_json(described, device=self.device, timeout=self.timeout, group=self.group)
+                differ = [f"replica {r}: {[tuple(d) for d in t if d not in described][:4]}"
+                          for r, t in enumerate(theirs) if t != described]
+                raise fail(f"DiLoCo's replicas hold other parameters, fragments or settings ((fragment, name, "
+                           f"local shape, shape, dtype), or the settings, this replica lacks: {'; '.join(differ)})",
+                           "Build the same model on every replica group, shard it alike over a group of the same "
+                           "size, and pass the same fragments, sync_every, outer_dtype and overlap.")
+            if len({tuple(d[1:]) for d in everyone}) > 1:
+                raise fail("DiLoCo's replicas start from different parameter values",
+                           "Seed every replica group alike before building the model, or load the same checkpoint "
+                           "into each, before building DiLoCo.")
+        except CollectiveError as e:
+            raise collective_failed("comparing DiLoCo's replicas", e, "Every replica must build DiLoCo at the same "
+                                    "time; another did not, or died.", self.timeout) from None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One inner step; then the syncs that are due (Note [outer steps]). Returns the inner
+        step's loss (what its closure returned)."""
+        loss = self.inner.step(closure)
+        self.steps += 1
+        self.finish()  # with overlap: the syncs started a step ago
+        self.in_flight = [self.start(f) for f in self.fragments if self.steps % self.sync_every == f.phase]
+        if not self.overlap:
+            self.finish()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for the syncs in flight and take their outer steps (with overlap, call it after
+        the last step)."""
+        self.receive()
+        pending, self.pending = self.pending, []
+        for f, average in pending:
+            self.apply(f, average)
+
+    def receive(self) -> None:
+        """Wait for the syncs in flight and keep their averages, to apply at the next finish()."""
+        flights, self.in_flight = self.in_flight, []
+        self.pending += [(flight.fragment, self.average(flight)) for flight in flights]
+
+    def start(self, f: Fragment) -> InFlight:
+        """The fragment's outer gradient on its way to every replica."""
+        delta = torch.cat([anchor.to(self.device) - p.sharded.to_local().float().reshape(-1)
+                           for anchor, p in zip(f.anchors, f.params)])
+        sent = torch.zeros(HEADER + f.wire.nbytes, dtype=torch.uint8, device=self.device)
+        sent[:HEADER].view(torch.int64).copy_(torch.tensor([f.digest, f.index, self.steps]))
+        f.wire.encode(delta, sent[HEADER:])
+        rows = torch.empty(self.replica_count * sent.numel(), dtype=torch.uint8, device=self.device)
+        self.bytes_sent += (self.replica_count - 1) * sent.numel()
+        work = _all_gather_single(rows, sent, group=self.group, async_op=True)
+        return InFlight(f, launched([work], reads=[sent], writes=[rows]), rows.view(self.replica_count, -1),
+                        self.steps, sent)
+
+    def average(self, flight: InFlight) -> torch.Tensor:
+        """The replicas' outer gradients of the fragment, checked and averaged in float32 in replica
+        order (the same bits on every replica); a FullShardError, with nothing changed, if a
+        replica sent another fragment or step, or an inf or NaN."""
+        f = flight.fragment
+        what = f"DiLoCo's all-gather of fragment {f.index}'s outer gradient after inner step {flight.step}"
+        try:
+            wait_all(flight.works, Caller(what, self.timeout), on_device=self.device.type == "cuda")
+        except CollectiveError as e:
+            raise collective_failed(what, e, timeout=self.timeout) from None
+        headers = flight.rows[:, :HEADER].contiguous().view(torch.int64).tolist()
+        for r, (digest, index, step) in enumerate(headers):
+            if (digest, index, step) != (f.digest, f.index, flight.step):
+                raise fail(f"{what}: replica {r} sent fragment {index} after its inner step {step} (layout "
+                           f"{digest}), this replica fragment {f.index} after step {flight.step} (layout {f.digest})",
+                           "Give every replica group the same model, fragments, sync_every and outer_dtype, and "
+                           "step them alike (resume every group from checkpoints of the same step).")
+        total = torch.zeros(f.wire.numel, dtype=torch.float32, device=self.device)
+        bad = 0  # a bit per replica whose row holds an inf or NaN
+        for r in range(self.replica_count):
+            value = torch.zeros_like(total)
+            f.wire.add_decoded(flight.rows[r, HEADER:], value)
+            bad |= (not bool(torch.isfinite(value).all())) << r
+            total.add_(value)
+        try:  # the other shards of this replica's model decide alike, or they would go on without it
+            for group in self.model_groups:
+                for (code,) in all_gather_ints([bad], device=self.device, timeout=self.timeout, group=group,
+                                               what=NONFINITE):
+                    bad |= code
+        except CollectiveError as e:
+            raise collective_failed(what, e, timeout=self.timeout) from None
+        if bad:
+            replicas = [r for r in range(self.replica_count) if bad >> r & 1]
+            raise fail(f"{what}: the outer gradient of replica {', '.join(map(str, replicas))} is not finite (inf or NaN); "
+                       f"the outer step was not taken and the parameters are as they were",
+                       "Lower the inner learning rate or clip the inner gradients (fullshard.clip_grad_norm_), "
+                       "then resume from the last checkpoint.")
+        return total.div_(self.replica_count)
+
+    def apply(self, f: Fragment, average: torch.Tensor) -> None:
+        """The outer step of one fragment: its anchors step with `average` as their gradient, and
+        its parameters take their values."""
+        for anchor in (a for other in self.fragments for a in other.anchors):
+            anchor.grad = None
+        for anchor, piece in zip(f.anchors, average.split([a.numel() for a in f.anchors])):
+            anchor.grad = piece.to(anchor.device)
+        self.outer.step()
+        for anchor, p in zip(f.anchors, f.params):
+            anchor.grad = None
+            local = p.sharded.to_local()
+            local.copy_(anchor.view_as(local))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """The inner optimizer's entries to it; "outer_anchor", "outer_pending", "outer_<key>"
+        and "diloco_step" to the anchors, the averages not yet applied, the outer optimizer and
+        the step count (what a sync in flight would have brought is replaced)."""
+        self.receive()
+        self.pending = []
+        params = [p for group in self.param_groups for p in group["params"]]
+        inner_state, outer_state, anchors, pending, steps = {}, {}, {}, {}, None
+        for index, values in state_dict["state"].items():
+            mine = {k: v for k, v in values.items() if k.startswith(("outer_", "diloco_"))}
+            inner_state[index] = {k: v for k, v in values.items() if k not in mine}
+            if params[index] not in self.owner:
+                continue
+            f, i = self.owner[params[index]]
+            position = sum(len(other.anchors) for other in self.fragments[: f.index]) + i
+            anchors[position] = local_part(mine.get("outer_anchor"))
+            if "outer_pending" in mine:
+                pending.setdefault(f.index, {})[i] = local_part(mine["outer_pending"])
+            outer_state[position] = {k[len("outer_"):]: flat_like(local_part(v), f.anchors[i]) for k, v in mine.items()
+                                     if k.startswith("outer_") and k not in ("outer_anchor", "outer_pending")}
+            if "diloco_step" in mine:
+                steps = int(mine["diloco_step"])
+        self.inner.load_state_dict({"state": inner_state, "param_groups": state_dict["param_groups"]})
+        flat = [a for f in self.fragments for a in f.anchors]
+        for position, value in anchors.items():
+            if value is not None:
+                flat[position].detach().copy_(value.reshape(-1))
+        groups = self.outer.state_dict()["param_groups"]
+        self.outer.load_state_dict({"state": {k: v for k, v in outer_state.items() if v}, "param_groups": groups})
+        for index, pieces in sorted(pending.items()):
+            f = self.fragments[index]
+            self.pending.append((f, torch.cat([pieces[i].reshape(-1).float() for i in range(len(f.params))])))
+        if steps is not None:
+            self.steps = steps
+
+
+class OuterState(Mapping):
+    """The state of each parameter as a checkpoint sees it: the inner optimizer's, and this
+    rank's outer state laid out as the parameter's shards (Note [outer steps])."""
+
+    def __init__(self, diloco: DiLoCo) -> None:
+        self.diloco = diloco
+
+    def __getitem__(self, param: torch.Tensor) -> dict:
+        d = self.diloco
+        d.receive()  # a sync in flight arrives: its average is kept, as state, until the next step applies it
+        values = dict(d.inner.state.get(param, {}))
+        if param not in d.owner:
+            return values
+        f, i = d.owner[param]
+        p, anchor = f.params[i], f.anchors[i]
+        values["outer_anchor"] = p.as_dtensor(anchor.detach().view(p.local_shape))
+        for fragment, average in d.pending:
+            if fragment is f:
+                start = sum(a.numel() for a in f.anchors[:i])
+                values["outer_pending"] = p.as_dtensor(average[start : start + anchor.numel()].view(p.local_shape))
+        for key, value in d.outer.state.get(anchor, {}).items():
+            shaped = isinstance(value, torch.Tensor) and value.shape == anchor.shape
+            values[f"outer_{key}"] = p.as_dtensor(value.view(p.local_shape)) if shaped else value
+        values["diloco_step"] = torch.tensor(float(d.steps))
+        return values
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([p for group in self.diloco.param_groups for p in group["params"]])
+
+    def __len__(self) -> int:
+        return sum(len(group["params"]) for group in self.diloco.param_groups)
+
+
+def local_part(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def flat_like(value: Any, anchor: torch.Tensor) -> Any:
+    """An outer state value laid out as the parameter's shard, as its anchor holds it: flat."""
+    shaped = isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == anchor.numel()
+    return value.reshape(-1) if shaped else value
+
+
+def check_apart(units: list, group: dist.ProcessGroup) -> None:
+    """The replica group holds no rank the model is sharded or replicated over but this one:
+    otherwise the model's own all-reduce would already average what DiLoCo averages."""
+    replicas = set(dist.get_process_group_ranks(group))
+    for unit in units:
+        shared = replicas & set(unit.group.mesh.mesh.flatten().tolist())
+        if shared != {dist.get_rank()}:
+            raise fail(f"DiLoCo's replica group holds ranks {sorted(shared)} that unit {unit.fqn or 'the root'!r} "
+                       f"is sharded over", "Shard the model over each replica group's own ranks (mesh['shard'] of a "
+                       "(replicate, shard) mesh) and pass the other dim, mesh['replicate'], to DiLoCo.")
+
+
+def split(model: nn.Module, units: list, fragments: int | list[list[nn.Module]], sync_every: int) -> list[Fragment]:
+    """The fragments, each with its trainable parameters, a float32 host copy of each (the
+    anchors) and its phase among the syncs (Note [outer steps])."""
+    trainable = [u for u in units if any(p.sharded.requires_grad for p in u.params)]
+    if isinstance(fragments, bool) or not isinstance(fragments, (int, list)):
+        raise fail(f"DiLoCo(fragments={fragments!r}) must be a count or lists of units",
+                   "Pass fragments=4, or [[model.layers[0], model.layers[1]], [model.layers[2], model]].")
+    if isinstance(fragments, int):
+        require(1 <= fragments <= len(trainable), f"DiLoCo(fragments={fragments}) must be from 1 to the "
+                f"{len(trainable)} units with trainable parameters", "Pass fewer fragments.")
+        sizes = [sum(p.sharded.numel() for p in u.params if p.sharded.requires_grad) for u in trainable]
+        total, groups, running = sum(sizes), [[] for _ in range(fragments)], 0
+        for unit, size in zip(trainable, sizes):  # consecutive units, cut at every total / K parameters
+            groups[min(fragments - 1, running * fragments // max(total, 1))].append(unit)
+            running += size
+        groups = [g for g in groups if g]
+        require(len(groups) == fragments, f"DiLoCo(fragments={fragments}): the units' sizes leave "
+                f"{len(groups)} non-empty fragments", "Pass fewer fragments, or the fragments as lists of units.")
+    else:
+        by_module = {m: u for u in units for m in u.modules}
+        groups, seen = [], {}
+        for k, modules in enumerate(fragments):
+            if not isinstance(modules, (list, tuple)) or not modules:
+                raise fail(f"DiLoCo's fragment {k} is {modules!r}, not a non-empty list of units",
+                           "Pass each fragment as a list of modules fully_shard sharded.")
+            group = []
+            for m in modules:
+                unit = by_module.get(m)
+                if unit is None:
+                    raise fail(f"DiLoCo's fragment {k} holds a {type(m).__name__} that is not one of the model's "
+                               f"units", "List modules that fully_shard (or shard_model) sharded.")
+                if unit in seen:
+                    raise fail(f"DiLoCo: unit {unit.fqn or 'the root'!r} is in fragments {seen[unit]} and {k}",
+                               "Put each unit in exactly one fragment.")
+                seen[unit] = k
+                group.append(unit)
+            groups.append(group)
+        missing = [u.fqn or "the root" for u in trainable if u not in seen]
+        if missing:
+            raise fail(f"DiLoCo's fragments leave out units {missing[:6]}: their parameters would never sync",
+                       "Put every unit with trainable parameters in a fragment.")
+    require(len(groups) <= sync_every, f"DiLoCo: {len(groups)} fragments take turns within sync_every="
+            f"{sync_every} steps, one a step at most", f"Pass sync_every of at least {len(groups)}, or fewer fragments.")
+    names, out = param_names(model), []
+    for k, group in enumerate(groups):
+        params = [p for u in group for p in u.params if p.sharded.requires_grad]
+        anchors = [nn.Parameter(p.sharded.to_local().detach().to("cpu", torch.float32, copy=True).reshape(-1),
+                                requires_grad=False) for p in params]
+        out.append(Fragment(k, [names[p.sharded] for p in params], params, anchors, (k + 1) * sync_every // len(groups) % sync_every))
+    return out
