@@ -394,8 +394,9 @@ def test_addresses_are_ip_literals_and_a_wildcard_warns():
 
 def train_killing_group_1(out, after_rows: int) -> tuple[list[dict], str]:
     """`fullshard train` of the tiny GPT for 200 steps as 2 replica groups of 1 rank, group 1's
-    rank SIGKILLed once metrics.jsonl holds `after_rows` rows: the rows and the launcher's
-    stderr, once it ended with 0 and said it restarted group 1."""
+    rank SIGKILLed once metrics.jsonl holds `after_rows` rows and group 1 took part in a step
+    (under load it may join late): the rows and the launcher's stderr, once it ended with 0 and
+    said it restarted group 1."""
     import json
     import os
     import signal
@@ -412,7 +413,8 @@ def train_killing_group_1(out, after_rows: int) -> tuple[list[dict], str]:
     try:
         log = out / "metrics.jsonl"
         deadline = time.monotonic() + 120
-        while not (log.is_file() and len(log.read_text().splitlines()) >= after_rows):
+        while not (log.is_file() and len(lines := log.read_text().splitlines()) >= after_rows
+                   and any('"participants": 2' in line for line in lines)):
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()
             time.sleep(0.02)
         ranks = subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True, text=True).stdout.split()
@@ -422,6 +424,7 @@ def train_killing_group_1(out, after_rows: int) -> tuple[list[dict], str]:
         out_text, err = run.communicate(timeout=180)
     finally:
         run.kill()
+    (out / "launcher-stderr.txt").write_text(err)  # kept for reading when an assertion below fails
     assert run.returncode == 0, err[-3000:]
     assert "replica group 1: rank 0 was killed by SIGKILL; restarting it" in err
     return [json.loads(line) for line in log.read_text().splitlines()], err

@@ -410,6 +410,27 @@ def check_apart(units: list, group: dist.ProcessGroup) -> None:
                        "(replicate, shard) mesh) and pass the other dim, mesh['replicate'], to DiLoCo.")
 
 
+def consecutive_parts(sizes: list[int], k: int) -> list[list[int]]:
+    """`k` runs of consecutive indices of `sizes` whose largest total is the smallest possible."""
+    def pack(limit: int) -> list[list[int]]:
+        parts: list[list[int]] = [[]]
+        for i, size in enumerate(sizes):
+            if parts[-1] and sum(sizes[j] for j in parts[-1]) + size > limit:
+                parts.append([])
+            parts[-1].append(i)
+        return parts
+
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if len(pack(middle)) <= k else (middle + 1, high)
+    parts = pack(low)
+    while len(parts) < k:  # split a run in two: no run grows
+        at = next(i for i, part in enumerate(parts) if len(part) > 1)
+        parts[at : at + 1] = [parts[at][:-1], parts[at][-1:]]
+    return parts
+
+
 def split(model: nn.Module, units: list, fragments: int | list[list[nn.Module]], sync_every: int) -> list[Fragment]:
     """The fragments, each with its trainable parameters, a float32 host copy of each (the
     anchors) and its phase among the syncs (Note [outer steps])."""
@@ -421,13 +442,7 @@ def split(model: nn.Module, units: list, fragments: int | list[list[nn.Module]],
         require(1 <= fragments <= len(trainable), f"DiLoCo(fragments={fragments}) must be from 1 to the "
                 f"{len(trainable)} units with trainable parameters", "Pass fewer fragments.")
         sizes = [sum(p.sharded.numel() for p in u.params if p.sharded.requires_grad) for u in trainable]
-        total, groups, running = sum(sizes), [[] for _ in range(fragments)], 0
-        for unit, size in zip(trainable, sizes):  # consecutive units, cut at every total / K parameters
-            groups[min(fragments - 1, running * fragments // max(total, 1))].append(unit)
-            running += size
-        groups = [g for g in groups if g]
-        require(len(groups) == fragments, f"DiLoCo(fragments={fragments}): the units' sizes leave "
-                f"{len(groups)} non-empty fragments", "Pass fewer fragments, or the fragments as lists of units.")
+        groups = [[trainable[i] for i in part] for part in consecutive_parts(sizes, fragments)]
     else:
         by_module = {m: u for u in units for m in u.modules}
         groups, seen = [], {}

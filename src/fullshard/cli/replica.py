@@ -13,8 +13,10 @@ heartbeats, but a live group whose heartbeat lapses (a stalled host) lets the re
 form a quorum alone, at its own step, behind the run: it would train and log steps that were
 committed already, and then heal the live group back to them. So a rejoining group takes no
 step in a quorum of itself alone at its starting step: it asks again until a group is there
-to heal from, for up to --timeout seconds (then no group is alive to wait for: it goes on
-from its checkpoint, as a whole restart does).
+to heal from, for up to 3 x --timeout seconds (a live group may spend --timeout in the
+collective the dead group left, another in a heal sent to it, another forming the next
+quorum); after that no group is alive to wait for, and it goes on from its checkpoint, as a
+whole restart does.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def train_loop(run: Run, manager: ft.Manager, log, ckpt: Path) -> bool:
     comm_stats = fullshard.stats(run.model)
     saving, last, logged = None, time.perf_counter(), False
     rejoining = os.environ.get(REJOINING) == "1"
-    start, deadline = manager.current_step(), time.monotonic() + cfg.timeout
+    start, deadline = manager.current_step(), time.monotonic() + 3 * cfg.timeout
     while manager.current_step() < cfg.steps:
         manager.start_quorum()
         manager.wait_quorum()
