@@ -64,9 +64,11 @@ def diloco_job(shape: tuple[int, int], steps: int, sync_every: int, fragments: i
     diloco = fullshard.DiLoCo(model, inner_optimizer(model, inner), mesh["replicate"], sync_every=sync_every,
                               fragments=fragments, outer_dtype=DTYPES[dtype], overlap=overlap,
                               outer_optimizer=outer_optimizer)
-    equal_after_sync = []
+    equal_after_sync, norms = [], []
     for step in range(1, steps + 1):
         inner_step(model, replica, step, shard, shape[1])
+        want = torch.nn.utils.get_total_norm([p.grad.full_tensor() for p in model.parameters()])
+        norms.append((fullshard.clip_grad_norm_(model, 1e9).item(), want.item()))  # this replica's own
         diloco.step()
         diloco.zero_grad()
         landed = step - overlap
@@ -76,7 +78,7 @@ def diloco_job(shape: tuple[int, int], steps: int, sync_every: int, fragments: i
     diloco.finish()
     return {"params": full_state(model), "names": [f.names for f in diloco.fragments],
             "phases": [f.phase for f in diloco.fragments], "equal_after_sync": equal_after_sync,
-            "bytes_sent": diloco.bytes_sent}
+            "bytes_sent": diloco.bytes_sent, "norms": norms}
 
 
 def replicas_equal(tensors: list[torch.Tensor], mesh) -> bool:
@@ -141,13 +143,15 @@ def test_diloco_trains_like_a_simulation_of_its_replicas(world4, fragments, over
     """2 replicas of 2 shards, H = 3, 7 inner steps of AdamW: every rank's parameters are the
     one-process simulation's within AdamW's parity tolerance (the shards' gradients are summed in
     another order than one process sums the whole batch's, and AdamW divides by their square
-    roots), and every fragment is bitwise alike on both replicas right after each sync."""
+    roots), every fragment is bitwise alike on both replicas right after each sync, and
+    clip_grad_norm_ measures each replica group's own gradients (not a sum over the groups)."""
     results = world4.run(diloco_job, shape=(2, 2), steps=7, sync_every=3, fragments=fragments, overlap=overlap)
     want = simulate(2, 7, 3, results[0]["names"], results[0]["phases"], overlap)
     assert len(results[0]["names"]) == fragments and sorted(sum(results[0]["names"], [])) == sorted(want[0])
     for rank, got in enumerate(results):  # ranks 0, 1: replica 0; 2, 3: replica 1
         assert max_diff(got["params"], want[rank // 2]) <= ADAMW_TOL
         assert got["equal_after_sync"] and all(got["equal_after_sync"]), got["equal_after_sync"]
+        assert all(abs(clipped - own) <= 1e-6 * own for clipped, own in got["norms"]), got["norms"]
     # the replicas trained apart since the last sync (with overlap, the last step's syncs land in
     # finish(): every fragment has just synced), and DiLoCo is not plain averaging every step
     assert max_diff(want[0], want[1]) > 1e-4 if not overlap else max_diff(want[0], want[1]) == 0
@@ -363,3 +367,51 @@ def test_a_non_finite_outer_gradient_is_a_named_error_and_changes_nothing(world4
     for got in world4.run(nonfinite_job, dtype=dtype):
         assert "the outer gradient of replica 1 is not finite" in got["message"], got["message"]
         assert got["unchanged"]
+
+
+def test_train_with_sync_every_trains_replica_groups_that_sync(tmp_path):
+    """`fullshard train --replicas 2 --sync-every 4 --outer-dtype int8`: 12 steps, the bytes to the
+    other replica group in the rows of steps 4, 8 and 12 only, each a sync of every trainable value
+    in int8 blocks (about a quarter of float32's 4 bytes a value), and no checkpoint."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.world import child_pythonpath
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", "--preset", "tiny", "--steps", "12",
+                           "--nproc", "2", "--replicas", "2", "--sync-every", "4", "--outer-dtype", "int8",
+                           "--seq-len", "32", "--global-batch", "8", "--eval-interval", "4", "--eval-batches", "1",
+                           "--sample-bytes", "0", "--timeout", "60", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "DiLoCo: 2 replica groups of 1 rank(s), syncing every 4 steps" in done.stdout
+    assert "| checkpoint | none (--sync-every" in done.stdout and not (tmp_path / "checkpoint").exists()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    synced = {row["step"]: row["replica_bytes"] for row in rows if row.get("replica_bytes")}
+    assert sorted(synced) == [4, 8, 12] and len(set(synced.values())) == 1, synced
+    parameters = 118_016  # the tiny GPT's, at --seq-len 32
+    assert parameters < synced[4] < 0.27 * 4 * parameters, synced
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--sync-every", "4"], "--sync-every 4 syncs replica groups: add --replicas 2 or more"),
+    (["--replicas", "2", "--sync-every", "-1"], "--sync-every must not be negative, got -1"),
+    (["--outer-lr", "0.5"], "--outer-lr is DiLoCo's; add --sync-every H"),
+    (["--replicas", "2", "--sync-every", "4", "--outer-dtype", "fp16"], "unknown --outer-dtype 'fp16'"),
+    (["--replicas", "2", "--sync-every", "4", "--outer-momentum", "1"], "--outer-momentum must be at least 0 and below 1"),
+    (["--replicas", "2", "--sync-every", "2", "--fragments", "3", "--preset", "tiny"],
+     "--fragments 3 take turns within --sync-every 2 steps"),
+    (["--replicas", "2", "--sync-every", "8", "--fragments", "4", "--preset", "tiny"],
+     "--fragments 4: the model has 3 units"),
+    (["--replicas", "2", "--sync-every", "4", "--fault-tolerant"], "--sync-every does not take --fault-tolerant"),
+    (["--replicas", "2", "--sync-every", "4", "--strategy", "hybrid_shard"],
+     "--sync-every does not take --strategy hybrid_shard"),
+])
+def test_train_refuses_diloco_it_cannot_run_in_one_line(args, words, capsys, tmp_path):
+    from fullshard import cli
+    assert cli.main(["train", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err

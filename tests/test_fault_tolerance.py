@@ -451,7 +451,7 @@ def test_a_group_restarted_too_late_trains_nothing_alone(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--replicas", "2"], "--replicas 2 is for --fault-tolerant"),
+    (["--replicas", "2"], "--replicas 2 is for --fault-tolerant (replica groups on torchft) or --sync-every"),
     (["--ft-bind", "127.0.0.2"], "--ft-bind is the address of --fault-tolerant's listeners"),
     (["--replicas", "2", "--fault-tolerant", "--strategy", "hybrid_shard"], "does not take --strategy hybrid_shard"),
     (["--replicas", "2", "--fault-tolerant", "--precision", "fp16"], "does not take --precision fp16"),

@@ -103,12 +103,14 @@ def all_gather_json(obj: object, *, device: torch.device, timeout: timedelta,
     return [json.loads(bytes(row.numpy().tobytes()).rstrip(b"\0")) for row in rows]
 
 
-def all_reduce_(tensor: torch.Tensor, op: str, *, timeout: timedelta, what: str) -> None:
-    """Reduce `tensor` in place over every rank: op "sum" or "max". It must be in the
-    memory of the process group's device (a GPU's for NCCL, never pinned host memory).
-    Raises CollectiveError naming `what` when it does not finish within `timeout`."""
+def all_reduce_(tensor: torch.Tensor, op: str, *, timeout: timedelta, what: str,
+                group: dist.ProcessGroup | None = None) -> None:
+    """Reduce `tensor` in place over every rank of `group` (default: all): op "sum" or "max". It
+    must be in the memory of the process group's device (a GPU's for NCCL, never pinned host
+    memory). Raises CollectiveError naming `what` when it does not finish within `timeout`."""
     reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-    works = launched([dist.all_reduce(tensor, op=reduce_op, async_op=True)], reads=[tensor], writes=[tensor])
+    works = launched([dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)], reads=[tensor],
+                     writes=[tensor])
     wait_all(works, Caller(what, timeout), on_device=tensor.device.type == "cuda")
 
 

@@ -54,6 +54,7 @@ from fullshard.hooks import units_of
 from fullshard.param import ShardedParam
 from fullshard.runtime import launched
 from fullshard.state_dict import param_names
+from fullshard.training import NORM_GROUPS
 
 OUTER_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
 HEADER = 24  # bytes: the layout's and settings' digest, the fragment's index, the inner step (int64 each)
@@ -179,6 +180,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.device = units[0].group.device
         self.model_groups = [g for g in dp_groups(units[0].group) if dist.get_world_size(g) > 1]
         self.replicas_in_job = True  # fullshard.save would write every replica's shards as one model's
+        setattr(model, NORM_GROUPS, self.model_groups)  # clip_grad_norm_: each replica group's own model
         self.replica_count = dist.get_world_size(self.group)
         self.fragments = split(model, units, fragments, sync_every)
         self.check_replicas()

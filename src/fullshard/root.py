@@ -215,7 +215,8 @@ class Root:
             finite = other.take_nonfinite()
             if finite is not None:
                 bad = torch.where(finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
-        groups, own = dp_groups(unit.group), None
+        groups, own = [g for g in dp_groups(unit.group) if g is None or dist.get_world_size(g) > 1], None
+        codes = [int(bad.item())] if not groups else []  # a model of one rank decides alone
         try:
             for group in groups:  # a sub-mesh's groups in turn, each passing on the worst code it saw
                 codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout,
@@ -225,6 +226,7 @@ class Root:
         except CollectiveError as e:
             raise unit.failed("non-finite check", e) from None
         code = worst(codes)
+        own = codes[0] if own is None else own
         if code < 0:
             return
         for other in self.units:  # skipped, or cleared before raising: a caller that catches the error and

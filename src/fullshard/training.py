@@ -25,6 +25,8 @@ from fullshard.stats import Stats
 from fullshard.units import unit_of
 from fullshard.unit import ShardState, Unit
 
+NORM_GROUPS = "_fullshard_norm_groups"  # set on a model by DiLoCo: the groups its gradient norm is summed over
+
 
 def stats(model: nn.Module) -> Stats:
     """The live communication and memory counters of a sharded model, on this rank.
@@ -63,7 +65,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     The norm is over the whole model, every rank's shards together, so it equals the
     norm single-process training would compute, and every rank returns the same value.
     Where groups of ranks shard different models (pipeline stages, each on a mesh of its
-    own ranks), it is over all of them: every rank calls it.
+    own ranks), it is over all of them: every rank calls it. Under fullshard.DiLoCo each
+    replica group's norm is its own model's.
 
     Args:
         model: a sharded model (every rank must call this).
@@ -102,7 +105,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         total = torch.stack(partials).max() if len(partials) > 1 else partials[0]
     else:  # the p-th powers of the ranks' (and memories') norms add up to the global one's
         total = sum(partial ** norm_type for partial in partials)
-    agree(root, total, "max" if inf else "sum", "the gradient norm")
+    for group in getattr(model, NORM_GROUPS, [None]):  # DiLoCo: the replica group's own ranks
+        agree(root, total, "max" if inf else "sum", "the gradient norm", group)
     if not inf:
         total = total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -241,11 +245,12 @@ class GradScaler(torch.amp.GradScaler):
         return {found_inf.device: found_inf}
 
 
-def agree(unit: Unit, tensor: torch.Tensor, op: str, what: str) -> None:
-    """All-reduce `tensor` in place within `unit`'s timeout (set_timeout); a hang or failure
-    raises a FullShardError naming `what` and the step (Note [named hangs])."""
+def agree(unit: Unit, tensor: torch.Tensor, op: str, what: str, group=None) -> None:
+    """All-reduce `tensor` in place over `group` (default: every rank) within `unit`'s timeout
+    (set_timeout); a hang or failure raises a FullShardError naming `what` and the step (Note
+    [named hangs])."""
     collective = f"the all-reduce of {what} at step {unit.step}"
     try:
-        all_reduce_(tensor, op, timeout=unit.timeout, what=collective)
+        all_reduce_(tensor, op, timeout=unit.timeout, what=collective, group=group)
     except CollectiveError as e:
         raise collective_failed(collective, e) from None

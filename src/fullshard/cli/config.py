@@ -75,7 +75,15 @@ class TrainConfig:
                      "sharded over nproc / pp ranks")
     # run
     nproc: int = opt(0, "ranks to start (0: 1 per GPU, else 2); ignored under torchrun")
-    replicas: int = opt(1, "replica groups of nproc/replicas ranks each, with --fault-tolerant (torchft across them)")
+    replicas: int = opt(1, "replica groups of nproc/replicas ranks each, with --fault-tolerant (torchft across them) "
+                           "or --sync-every (DiLoCo across them)")
+    sync_every: int = opt(0, "with --replicas: DiLoCo, each replica group training alone and syncing every this "
+                             "many steps (0: off; docs/diloco.md)")
+    fragments: int = opt(1, "DiLoCo: fragments of consecutive units synced at staggered steps, each exchange "
+                            "overlapping the next step (1: the whole model at once)")
+    outer_lr: float = opt(0.7, "DiLoCo's outer learning rate (SGD)")
+    outer_momentum: float = opt(0.9, "DiLoCo's outer Nesterov momentum (0: none)")
+    outer_dtype: str = opt("fp32", "DiLoCo's outer gradients on the wire: fp32, bf16 or int8 (summed in fp32)")
     fault_tolerant: bool = opt(False, "keep training when a replica group dies; restart it and let it heal from a "
                                       "live one (fullshard.ft on torchft: docs/fault-tolerance.md)")
     ft_bind: str = opt("127.0.0.1", "the IP address every fault-tolerance listener binds (lighthouse, stores, "
@@ -129,6 +137,30 @@ def problem(cfg: TrainConfig) -> str | None:
     # when they are known
 
 
+def diloco_problem(cfg: TrainConfig) -> str | None:
+    """--sync-every and the outer options: what DiLoCo needs, and what it does not take."""
+    outer = [name for name in ("fragments", "outer_lr", "outer_momentum", "outer_dtype")
+             if getattr(cfg, name) != getattr(TrainConfig, name)]
+    if not cfg.sync_every:
+        return f"{flag(outer[0])} is DiLoCo's; add --sync-every H (or leave it out)" if outer else None
+    if cfg.replicas < 2:
+        return f"--sync-every {cfg.sync_every} syncs replica groups: add --replicas 2 or more"
+    units = gpt_dims(cfg)["n_layer"] + 1 if cfg.wrap == "block" else 1 if cfg.wrap == "none" else None
+    if units is not None and cfg.fragments > units:
+        return f"--fragments {cfg.fragments}: the model has {units} units (--wrap {cfg.wrap})"
+    if cfg.fragments > cfg.sync_every:
+        return f"--fragments {cfg.fragments} take turns within --sync-every {cfg.sync_every} steps, one a step at most"
+    for name, value, why in (("fault_tolerant", True, "DiLoCo over torchft is not built yet (docs/diloco.md)"),
+                             ("strategy", "hybrid_shard", "the replica groups are the replicas; shard inside each "
+                                                          "with full_shard"),
+                             ("precision", "fp16", "the loss scaler's skipped steps would differ by group; use bf16"),
+                             ("plan", "auto", "the planner does not price DiLoCo yet"),
+                             ("pp", cfg.pp if cfg.pp > 1 else None, "a replica group is not a pipeline yet")):
+        if getattr(cfg, name) == value:
+            return f"--sync-every does not take {flag(name)}" + (f" {value}" if value is not True else "") + f": {why}"
+    return None
+
+
 def pipeline_problem(cfg: TrainConfig, world: int | None = None) -> str | None:
     """--pp: what a pipeline needs (enough blocks, microbatches and ranks; `world`, once known),
     and what it does not take."""
@@ -153,10 +185,13 @@ def pipeline_problem(cfg: TrainConfig, world: int | None = None) -> str | None:
 
 
 def replica_problem(cfg: TrainConfig) -> str | None:
-    """--replicas, --fault-tolerant and --ft-bind: what they need, and torchft installed."""
-    if cfg.replicas > 1 and not cfg.fault_tolerant:
-        return f"--replicas {cfg.replicas} is for --fault-tolerant (replica groups on torchft); for replicas " \
-               f"without it use --strategy hybrid_shard"
+    """--replicas, --fault-tolerant, --ft-bind and DiLoCo's options: what they need, and torchft
+    installed."""
+    if (problem := diloco_problem(cfg)) is not None:
+        return problem
+    if cfg.replicas > 1 and not cfg.fault_tolerant and not cfg.sync_every:
+        return f"--replicas {cfg.replicas} is for --fault-tolerant (replica groups on torchft) or --sync-every " \
+               f"(DiLoCo); for replicas that all-reduce every step use --strategy hybrid_shard"
     if not cfg.fault_tolerant:
         return None if cfg.ft_bind == TrainConfig.ft_bind else "--ft-bind is the address of --fault-tolerant's " \
             "listeners; add --fault-tolerant (or leave --ft-bind out)"
@@ -182,7 +217,8 @@ def choice_problem(cfg: TrainConfig) -> str | None:
     choices = {"preset": tuple(PRESETS), "strategy": tuple(STRATEGIES), "precision": ("fp32", "bf16", "fp16"),
                "nonfinite": ("raise", "skip", "off"), "backward_prefetch": ("pre", "post", "none"),
                "plan": ("off", "auto"), "gather": ("exact", "int8", "float8"),
-               "reduce": ("exact", "bf16", "int8"), "optimizer": ("adamw", "muon")}
+               "reduce": ("exact", "bf16", "int8"), "optimizer": ("adamw", "muon"),
+               "outer_dtype": ("fp32", "bf16", "int8")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             return f"unknown {flag(name)} {getattr(cfg, name)!r}; choose one of {', '.join(allowed)}"
@@ -225,8 +261,13 @@ def number_problem(cfg: TrainConfig) -> str | None:
     for name in ("steps", "global_batch", "grad_accum", "eval_batches", "eval_interval", "pp"):
         if (problem := range_problem(name, getattr(cfg, name), 1, MAX_COUNT)) is not None:
             return problem
-    if (problem := range_problem("replicas", cfg.replicas, 1, MAX_COUNT)) is not None:
-        return problem
+    for name, low in (("replicas", 1), ("sync_every", 0), ("fragments", 1)):
+        if (problem := range_problem(name, getattr(cfg, name), low, MAX_COUNT)) is not None:
+            return problem
+    if not (math.isfinite(cfg.outer_lr) and 0 < cfg.outer_lr <= 10):
+        return f"--outer-lr must be a number above 0 and at most 10, got {cfg.outer_lr}"
+    if not (math.isfinite(cfg.outer_momentum) and 0 <= cfg.outer_momentum < 1):
+        return f"--outer-momentum must be at least 0 and below 1, got {cfg.outer_momentum}"
     for name in ("nproc", "ckpt_interval", "limit_all_gathers", "warmup", "max_restarts"):
         if (problem := range_problem(name, getattr(cfg, name), 0, MAX_COUNT)) is not None:
             return problem

@@ -23,6 +23,7 @@ from typing import TextIO
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import fullshard
 from fullshard import runtime
@@ -164,11 +165,23 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
         with torch.device("meta"):
             model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
         n_params = sum(p.numel() for p in model.parameters())
-        setting = shard(model, cfg, world, rank, device, held)
+        mesh = init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
+                                mesh_dim_names=("replicate", "shard")) if cfg.sync_every else None
+        setting = shard(model, cfg, world, rank, device, held, None if mesh is None else mesh["shard"])
     model.set_timeout(cfg.timeout)
     model.set_debug_checks(cfg.debug_checks)
     model.set_nonfinite_grads(nonfinite_policy(cfg))
     optimizer = make_optimizer(model, cfg)
+    if cfg.sync_every:  # docs/diloco.md
+        optimizer = fullshard.DiLoCo(
+            model, optimizer, mesh["replicate"], sync_every=cfg.sync_every, fragments=cfg.fragments,
+            outer_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                                           nesterov=cfg.outer_momentum > 0),
+            outer_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[cfg.outer_dtype],
+            overlap=cfg.fragments > 1, timeout=cfg.timeout)
+        setting += (f"; DiLoCo: {cfg.replicas} replica groups of {world // cfg.replicas} rank(s), syncing every "
+                    f"{cfg.sync_every} steps" + (f" in {cfg.fragments} fragments" if cfg.fragments > 1 else "") +
+                    f", outer gradients in {cfg.outer_dtype}; no checkpoints")
     run = Run(cfg, rank, world, device, model, optimizer,
               scaler=fullshard.GradScaler(device.type) if cfg.precision == "fp16" else None,
               train_data=torch.frombuffer(train_bytes, dtype=torch.uint8),
@@ -237,8 +250,9 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, devic
 
 
 def resume(run: Run, ckpt: Path) -> int:
-    """Load the newest complete checkpoint (--resume); the step to continue from (0: none)."""
-    if not (run.cfg.resume and (ckpt / "LATEST").is_file()):
+    """Load the newest complete checkpoint (--resume); the step to continue from (0: none; always
+    with --sync-every, whose runs save none: docs/diloco.md)."""
+    if not (run.cfg.resume and (ckpt / "LATEST").is_file()) or run.cfg.sync_every:
         return 0
     start = fullshard.load(ckpt, run.model, run.optimizer)["step"]
     if start is None:
@@ -271,10 +285,12 @@ def train_loop(run: Run, start: int, log: TextIO | None, ckpt: Path) -> None:
         now = time.perf_counter()
         record["step_s"] = round(now - last, 4)  # since the previous row: a save's stall shows in the next step
         write_row(log, progress, record)
-        if (cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps:
+        if ((cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps) and not cfg.sync_every:
             saving = fullshard.save(ckpt, run.model, run.optimizer, step=done, block=not cfg.background_saves,
                                     extra={"preset": cfg.preset, "dims": gpt_dims(cfg)})
         last = now
+    if cfg.sync_every:
+        run.optimizer.finish()  # with fragments: the last step's sync
     if saving is not None:
         saving.result()  # the last checkpoint is on disk before the run ends
     if progress is not None:
@@ -294,6 +310,7 @@ def train_step(run: Run, step: int, comm_stats, manager=None) -> dict:
     loss_sum = torch.zeros((), device=run.device)
     data_rank, data_ranks = run.data_ranks
     between_stages = 0  # bytes this rank sent to other stages
+    to_replicas = getattr(run.optimizer, "bytes_sent", 0)  # DiLoCo's: bytes sent to other replica groups
     with comm_stats as comm:
         offsets = batch_offsets(len(run.train_data), step, seed=cfg.seed, seq_len=cfg.seq_len, batch=cfg.global_batch)
         if run.pipe is not None:  # the schedule takes the rank's micro-batches at once
@@ -307,13 +324,15 @@ def train_step(run: Run, step: int, comm_stats, manager=None) -> dict:
             (run.scaler.scale(loss) if run.scaler else loss).backward()
             loss_sum += loss.detach().float()
         grad_norm = optimizer_step(run, manager)
+    to_replicas = getattr(run.optimizer, "bytes_sent", 0) - to_replicas
     ranks = exchange_metrics([loss_sum, grad_norm, peak_memory_mb(run.device)], step=step + 1, device=run.device,
                              timeout=run.timeout)
     seconds = time.perf_counter() - begin
     return {"step": step + 1, "loss": sum(r[0] for r in ranks) / data_ranks, "lr": lr,
             "grad_norm": ranks[run.rank][1], "tokens_per_s": cfg.global_batch // parts * cfg.seq_len / seconds,
-            "peak_mem_mb": [round(r[2], 1) for r in ranks], "sent_bytes": comm.sent_bytes + between_stages,
-            "wait_s": round(comm.wait_s, 4)}
+            "peak_mem_mb": [round(r[2], 1) for r in ranks],
+            "sent_bytes": comm.sent_bytes + between_stages + to_replicas, "wait_s": round(comm.wait_s, 4),
+            **({"replica_bytes": to_replicas} if cfg.sync_every else {})}
 
 
 def optimizer_step(run: Run, manager=None) -> torch.Tensor:
@@ -393,7 +412,7 @@ def report(cfg: TrainConfig, out: Path, text: str) -> None:
     print(f"\nsample:\n{text}\n", flush=True)
     saves = [r["step"] for r in rows if "loss" in r and cfg.ckpt_interval and r["step"] % cfg.ckpt_interval == 0]
     plot(rows, out / "loss.png", saves)
-    print(summary(cfg.steps, rows, out), flush=True)
+    print(summary(cfg.steps, rows, out, saved=not cfg.sync_every), flush=True)
 
 
 def exchange_metrics(figures: list, *, step: int, device: torch.device, timeout: timedelta) -> list[list[float]]:
