@@ -220,8 +220,9 @@ def clone_state(value):
 
 def resume_job(tmp: str) -> dict:
     """8 inner steps straight, and 4, then the state dicts of the model and DiLoCo (a sync in
-    flight, with overlap) loaded into a model and DiLoCo built afresh, and 4 more: both final
-    parameters. fullshard.save of it is refused by name."""
+    flight, with overlap), or each replica group's checkpoint, loaded into a model and DiLoCo
+    built afresh, and 4 more: the final parameters; and the error of a save of both groups to
+    one path."""
     mesh = named_mesh((2, 2), ("replicate", "shard"))
     replica, shard = mesh.get_local_rank(0), mesh.get_local_rank(1)
 
@@ -244,26 +245,36 @@ def resume_job(tmp: str) -> dict:
     model, diloco = build()
     train(model, diloco, range(1, 5))  # step 4 started fragment 0's sync (phase 1)
     try:
-        fullshard.save(tmp, model, diloco)
+        fullshard.save(f"{tmp}/one", model, diloco)
         refused = ""
     except fullshard.FullShardError as e:
         refused = str(e)
     saved_model, saved_diloco = clone_state(model.state_dict()), clone_state(diloco.state_dict())
     assert any("outer_pending" in values for values in saved_diloco["state"].values())
-    model, diloco = build()
-    model.load_state_dict(saved_model)
-    diloco.load_state_dict(saved_diloco)
-    train(model, diloco, range(5, 9))
-    diloco.finish()
-    return {"straight": straight, "resumed": full_state(model), "refused": refused}
+    fullshard.save(f"{tmp}/replica_{replica}", model, diloco, step=4)
+    resumed = {}
+    for way in ("state dicts", "checkpoint"):
+        model, diloco = build()
+        if way == "checkpoint":
+            assert fullshard.load(f"{tmp}/replica_{replica}", model, diloco)["step"] == 4
+        else:
+            model.load_state_dict(saved_model)
+            diloco.load_state_dict(saved_diloco)
+        train(model, diloco, range(5, 9))
+        diloco.finish()
+        resumed[way] = full_state(model)
+    return {"straight": straight, "resumed": resumed, "refused": refused}
 
 
 def test_a_resumed_diloco_trains_on_bit_for_bit(world4, tmp_path):
     """Its state dict holds the anchors, the outer momentum, the average of a sync in flight and
-    the step: a resume between syncs, an exchange in flight, is bitwise the uninterrupted run."""
-    for got in world4.run(resume_job, tmp=str(tmp_path / "ckpt")):
-        assert all(torch.equal(got["straight"][k], got["resumed"][k]) for k in got["straight"])
-        assert "DiLoCo whose replica groups share this job" in got["refused"]
+    the step: a resume between syncs, an exchange in flight, from the state dicts or from each
+    replica group's own checkpoint (Note [replica checkpoints]), is bitwise the uninterrupted
+    run; two groups saving to one path are refused by name."""
+    for got in world4.run(resume_job, tmp=str(tmp_path)):
+        for way, resumed in got["resumed"].items():
+            assert all(torch.equal(got["straight"][k], resumed[k]) for k in got["straight"]), way
+        assert "replica groups save to one path" in got["refused"], got["refused"]
 
 
 def bad_job(case: str) -> str:
@@ -369,10 +380,11 @@ def test_a_non_finite_outer_gradient_is_a_named_error_and_changes_nothing(world4
         assert got["unchanged"]
 
 
-def test_train_with_sync_every_trains_replica_groups_that_sync(tmp_path):
+def test_train_with_sync_every_trains_replica_groups_that_sync_and_resumes(tmp_path):
     """`fullshard train --replicas 2 --sync-every 4 --outer-dtype int8`: 12 steps, the bytes to the
     other replica group in the rows of steps 4, 8 and 12 only, each a sync of every trainable value
-    in int8 blocks (about a quarter of float32's 4 bytes a value), and no checkpoint."""
+    in int8 blocks (about a quarter of float32's 4 bytes a value), a checkpoint per replica group;
+    the same command with --steps 16 resumes both groups at step 12."""
     import json
     import os
     import subprocess
@@ -380,20 +392,29 @@ def test_train_with_sync_every_trains_replica_groups_that_sync(tmp_path):
 
     from tests.world import child_pythonpath
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", "--preset", "tiny", "--steps", "12",
-                           "--nproc", "2", "--replicas", "2", "--sync-every", "4", "--outer-dtype", "int8",
-                           "--seq-len", "32", "--global-batch", "8", "--eval-interval", "4", "--eval-batches", "1",
-                           "--sample-bytes", "0", "--timeout", "60", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+
+    def train(steps: int) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "fullshard.cli", "train", "--preset", "tiny", "--steps",
+                               str(steps), "--nproc", "2", "--replicas", "2", "--sync-every", "4", "--outer-dtype",
+                               "int8", "--seq-len", "32", "--global-batch", "8", "--eval-interval", "4",
+                               "--eval-batches", "1", "--sample-bytes", "0", "--timeout", "60", "--out", str(tmp_path)],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    done = train(12)
     assert "DiLoCo: 2 replica groups of 1 rank(s), syncing every 4 steps" in done.stdout
-    assert "| checkpoint | none (--sync-every" in done.stdout and not (tmp_path / "checkpoint").exists()
+    assert all((tmp_path / "checkpoint" / f"replica_{r}" / "LATEST").is_file() for r in (0, 1))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     synced = {row["step"]: row["replica_bytes"] for row in rows if row.get("replica_bytes")}
     assert sorted(synced) == [4, 8, 12] and len(set(synced.values())) == 1, synced
     parameters = 118_016  # the tiny GPT's, at --seq-len 32
     assert parameters < synced[4] < 0.27 * 4 * parameters, synced
     assert rows[-1]["val_loss"] < rows[0]["val_loss"]
+    done = train(16)
+    assert "at step 12" in done.stdout, done.stdout[-2000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(0, 17)), steps
 
 
 @pytest.mark.parametrize("args, words", [

@@ -51,10 +51,10 @@ from fullshard.checks import dp_groups
 from fullshard.collectives import Caller, _all_gather_single, all_gather_ints, all_gather_json, site, wait_all
 from fullshard.errors import CollectiveError, collective_failed, fail, require
 from fullshard.hooks import units_of
+from fullshard.mesh import REPLICA_OF, ReplicaOf
 from fullshard.param import ShardedParam
 from fullshard.runtime import launched
 from fullshard.state_dict import param_names
-from fullshard.training import NORM_GROUPS
 
 OUTER_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
 HEADER = 24  # bytes: the layout's and settings' digest, the fragment's index, the inner step (int64 each)
@@ -179,8 +179,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.timeout = timedelta(seconds=timeout) if timeout is not None else units[0].timeout
         self.device = units[0].group.device
         self.model_groups = [g for g in dp_groups(units[0].group) if dist.get_world_size(g) > 1]
-        self.replicas_in_job = True  # fullshard.save would write every replica's shards as one model's
-        setattr(model, NORM_GROUPS, self.model_groups)  # clip_grad_norm_: each replica group's own model
+        setattr(model, REPLICA_OF, ReplicaOf(self.model_groups, own_group(units[0], self.timeout), self.group))
         self.replica_count = dist.get_world_size(self.group)
         self.fragments = split(model, units, fragments, sync_every)
         self.check_replicas()
@@ -388,6 +387,24 @@ class OuterState(Mapping):
 
     def __len__(self) -> int:
         return sum(len(group["params"]) for group in self.diloco.param_groups)
+
+
+def own_group(unit, timeout: timedelta) -> dist.ProcessGroup:
+    """A process group of the ranks this rank's replica group shards its model over (a group of
+    one rank included): every rank of the job learns every replica group's and makes them all,
+    in one order, as making a group takes."""
+    mine = sorted(unit.group.mesh.mesh.flatten().tolist())
+    try:
+        everyone = all_gather_json(mine, device=unit.group.device, timeout=timeout)
+    except CollectiveError as e:
+        raise collective_failed("DiLoCo's exchange of the replica groups' ranks", e, "Every rank of the job must "
+                                "build DiLoCo at the same time; another did not, or died.", timeout) from None
+    groups = sorted({tuple(ranks) for ranks in everyone})
+    require(sum(len(g) for g in groups) == dist.get_world_size() and len(set().union(*groups)) ==
+            dist.get_world_size(), f"DiLoCo's replica groups overlap or leave ranks out ({groups})",
+            "Shard each replica group's model over its own ranks, every rank of the job in one group.")
+    own, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo", timeout=timeout)
+    return own
 
 
 def local_part(value: Any) -> Any:

@@ -68,6 +68,25 @@ _derived: dict[int, tuple[weakref.ref, dict]] = {}  # id(mesh) -> (mesh, {key: w
 _timed_groups: dict[timedelta, dist.ProcessGroup] = {}  # of every rank: no mesh's, the process's
 
 
+REPLICA_OF = "_fullshard_replica_of"  # set on a model by fullshard.DiLoCo
+
+
+@dataclass(frozen=True)
+class ReplicaOf:
+    """A model that is one of several replica groups' in the job (fullshard.DiLoCo): the groups
+    its gradient norm is summed over, the group of its own ranks (its checkpoints' agreements,
+    Note [replica checkpoints]) and the group of the ranks that hold its shards in the other
+    replica groups."""
+
+    norm_groups: list
+    own: dist.ProcessGroup
+    replicas: dist.ProcessGroup
+
+
+def replica_of(model: torch.nn.Module) -> ReplicaOf | None:
+    return getattr(model, REPLICA_OF, None)
+
+
 def _forget(mesh_id: int, ref: weakref.ref) -> None:
     """Drop what was derived from a mesh that is gone (not an entry of a newer mesh with its id)."""
     entry = _derived.get(mesh_id)

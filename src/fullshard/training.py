@@ -18,14 +18,12 @@ from fullshard.collectives import all_reduce_
 from fullshard.errors import CollectiveError, collective_failed, fail, require
 from fullshard.gather import gather_masters
 from fullshard.hooks import Phase, hooks_for, ordinary_tensors, unit_hooks, units_of
-from fullshard.mesh import counted_copy, replica_dims
+from fullshard.mesh import counted_copy, replica_dims, replica_of
 from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.param import local_values
 from fullshard.stats import Stats
 from fullshard.units import unit_of
 from fullshard.unit import ShardState, Unit
-
-NORM_GROUPS = "_fullshard_norm_groups"  # set on a model by DiLoCo: the groups its gradient norm is summed over
 
 
 def stats(model: nn.Module) -> Stats:
@@ -105,7 +103,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         total = torch.stack(partials).max() if len(partials) > 1 else partials[0]
     else:  # the p-th powers of the ranks' (and memories') norms add up to the global one's
         total = sum(partial ** norm_type for partial in partials)
-    for group in getattr(model, NORM_GROUPS, [None]):  # DiLoCo: the replica group's own ranks
+    replica = replica_of(model)
+    for group in [None] if replica is None else replica.norm_groups:  # DiLoCo: the replica group's own ranks
         agree(root, total, "max" if inf else "sum", "the gradient norm", group)
     if not inf:
         total = total ** (1.0 / norm_type)

@@ -51,11 +51,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from fullshard.checkpoint import background, dcp_format, manifest
 from fullshard.checkpoint.background import SaveHandle
 from fullshard.collectives import all_gather_json
-from fullshard.errors import EveryRankError, FullShardError, fail, require
+from fullshard.errors import CollectiveError, EveryRankError, FullShardError, collective_failed, fail, require
 from fullshard.checkpoint.files import Folder, View, Writer
 from fullshard.hooks import normal_tensors, units_of
 from fullshard.checkpoint.manifest import MAX_INT, Chunk, Contents, SavedTensor
-from fullshard.mesh import timed_group
+from fullshard.mesh import ReplicaOf, replica_of, timed_group
 from fullshard.state_dict import (LOADABLE, check_names_and_shapes, dtype_problem, check_optimizer, check_path, get_state_dict,
                                   hyperparameter_problems, load_model_state, load_optimizer_state, new_like,
                                   optimizer_state_problems, optimizer_template, param_names, reshard_all,
@@ -151,11 +151,6 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     """
     check_path(path, "save")
     check_optimizer(optimizer)
-    require(not getattr(optimizer, "replicas_in_job", False), "fullshard.save was given a DiLoCo whose replica "
-            "groups share this job: their parameters differ between syncs, and one checkpoint of the model would "
-            "hold one replica's shards over another's", "fullshard.save cannot save such a job yet: keep each rank's "
-            "diloco.state_dict() and model.state_dict() (its shards) yourself; loading both resumes bit for bit "
-            "(docs/diloco.md).")
     require(step is None or type(step) is int and 0 <= step <= MAX_INT,
             f"save(step={step!r}) must be a non-negative int or None", "Pass step=1000.")
     require(type(block) is bool, f"save(block={block!r}) must be True or False", "Pass block=False to write in "
@@ -164,6 +159,9 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     background.wait_for_saves()  # one save at a time: the one in flight first (its failure raises here)
     model_sd, optim_sd = get_state_dict(model, optimizer, full=False)
     timeout = units_of(model, "save")[0].timeout
+    replica = replica_of(model)
+    if replica is not None:
+        check_own_path(Path(path), replica, timeout)
     if optimizer is not None and pipeline_stage(model):
         name_every_stage(optim_sd, timeout)
     flat, mapping = flatten_state_dict({"model": model_sd, "optim": optim_sd} if optimizer is not None
@@ -176,7 +174,7 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
                        f"Keep the state in one of {', '.join(LOADABLE)} (Note [loaded dtypes]).")
     path = Path(path)
     optimizer_name = type(optimizer).__name__ if optimizer is not None else None
-    group = timed_group(timeout)  # made here if new: creating a group is collective
+    group = timed_group(timeout) if replica is None else replica.own  # timed_group: made here if new (collective)
     if block:
         write_version(path, flat, mapping, optimizer_name, step, extra, timeout, group)
         return None
@@ -201,8 +199,32 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
 def pipeline_stage(model: nn.Module) -> bool:
     """Whether `model` shards over some of the ranks only: a pipeline stage's (or, with tensor
-    parallelism, a data-parallel sub-mesh's), whose checkpoint other ranks' stages share."""
-    return units_of(model, "checkpoints")[0].group.mesh.size() < dist.get_world_size()
+    parallelism, a data-parallel sub-mesh's), whose checkpoint other ranks' stages share; not
+    a replica group's, whose checkpoint is its own (Note [replica checkpoints])."""
+    return units_of(model, "checkpoints")[0].group.mesh.size() < dist.get_world_size() and replica_of(model) is None
+
+
+# Note [replica checkpoints]: fullshard.DiLoCo's replica groups in one job hold different
+# parameters and inner optimizer states between syncs, so each saves a checkpoint of its own,
+# at a path of its own: a save's and a load's agreements run over the group's own ranks
+# (ReplicaOf.own), which are numbered within it, and a save first compares the paths across
+# the replicas (one path for two groups would put one group's shards over the other's). Each
+# loads its own; the run resumes when every group's newest checkpoint is of the same step
+# (DiLoCo's headers refuse replicas at different steps at the first sync).
+
+
+def check_own_path(path: Path, replica: ReplicaOf, timeout: timedelta) -> None:
+    """Refuse, on every rank, a save of replica groups to one path (Note [replica checkpoints])."""
+    where = os.path.realpath(path)
+    try:
+        paths = all_gather_json(where, device=torch.device("cpu"), timeout=timeout, group=replica.replicas)
+    except CollectiveError as e:
+        raise collective_failed("comparing the replica groups' checkpoint paths", e, "Every replica group must "
+                                "save at the same step.", timeout) from None
+    if len(set(paths)) < len(paths):
+        raise fail(f"replica groups save to one path ({where}): DiLoCo's groups hold different parameters between "
+                   f"syncs, and one checkpoint would hold one group's shards over another's",
+                   "Give each replica group a path of its own, e.g. f'checkpoint/replica_{r}'.")
 
 
 def name_every_stage(optim_sd: dict, timeout: timedelta) -> None:
@@ -246,7 +268,7 @@ def write_version(path: Path, flat: dict[str, Any], mapping: dict[str, tuple], o
     """The phases of a save (Note [checkpoint phases]), each ending in an agreement on `group`."""
     what = f"the save to {path}"
     kept = f"the previous checkpoint at {path} is unchanged"
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)  # the world's, but in a replica group's own (Note [replica checkpoints])
     # phase 1: rank 0 makes the version directory; every rank says which plain values it holds
     token, error = secrets.token_hex(6), None
     if rank == 0:
@@ -531,18 +553,20 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     deadline = time.monotonic() + timeout.total_seconds()
     path = Path(path)
     what, untouched = f"the load of {path}", "nothing was loaded"
+    replica = replica_of(model)
+    group = None if replica is None else replica.own  # None: the checkpoints' timed group
     folder, contents, report = None, None, {"error": None, "version": "", "damaged": [], "elsewhere": []}
     try:
         folder, contents = open_version(path, deadline)
         report["version"] = folder.path.name
         report["elsewhere"] = check_fits(folder, contents, model, optimizer, deadline, pipeline_stage(model))
-        report["damaged"] = damaged_files(folder, contents, deadline)
+        report["damaged"] = damaged_files(folder, contents, deadline, group)
     except FullShardError as e:
         report["error"] = str(e)
     except Exception as e:  # OSError, FormatError, ...: whatever a file made this rank raise, every rank says
         report["error"] = str(unreadable(path, e))
     try:
-        checked = agree(what, "checking the checkpoint", timeout, report, nothing_changed=untouched)
+        checked = agree(what, "checking the checkpoint", timeout, report, nothing_changed=untouched, group=group)
         if len({r["version"] for r in checked.reports}) > 1:
             raise fail(f"{what}: ranks found different versions ({sorted({r['version'] for r in checked.reports})}; "
                        f"a save to it ran meanwhile); {untouched}", "Load again once the save has finished.")
@@ -556,7 +580,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
                        "Use one of the same architecture, with the unwrapped model's names, every entry in some "
                        "rank's pipeline stage.")
         model_sd, state = read_state(folder, contents, model, optimizer, deadline, what, timeout,
-                                     pipeline_stage(model))
+                                     pipeline_stage(model), group)
     finally:
         if folder is not None:
             folder.close()
@@ -666,12 +690,12 @@ def value_of_record(folder: Folder, saved: manifest.SavedValue, deadline: float)
         os.close(fd)
 
 
-def damaged_files(folder: Folder, contents: Contents, deadline: float) -> list[str]:
+def damaged_files(folder: Folder, contents: Contents, deadline: float, group: dist.ProcessGroup | None) -> list[str]:
     """Data files missing, shorter than the records reach, of another size than saved or (a share of
-    them per rank, fullshard's checkpoints) of another CRC-32 (Note [failed load])."""
+    them per rank of `group`, default all, fullshard's checkpoints) of another CRC-32 (Note [failed load])."""
     needed = contents.needed()
     names = sorted(set(needed) | set(contents.files))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     problems = []
     for i, file in enumerate(names):
         listed = contents.files.get(file)
@@ -699,9 +723,11 @@ def saved_items(contents: Contents, model: nn.Module, optimizer: torch.optim.Opt
 
 
 def read_state(folder: Folder, contents: Contents, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               deadline: float, what: str, timeout: timedelta, stage: bool) -> tuple[dict, dict]:
+               deadline: float, what: str, timeout: timedelta, stage: bool,
+               group: dist.ProcessGroup | None) -> tuple[dict, dict]:
     """New buffers holding this rank's part of the checkpoint (Note [failed load]): the model's
-    (one per tied entry) and, with `optimizer`, its state; agreed on by every rank."""
+    (one per tied entry) and, with `optimizer`, its state; agreed on by every rank of `group`
+    (default: all)."""
     entries = state_entries(model)
     fresh: dict[int, torch.Tensor] = {}
     model_sd = {name: fresh.setdefault(id(entry), new_like(value_of(entry)))
@@ -722,7 +748,7 @@ def read_state(folder: Folder, contents: Contents, model: nn.Module, optimizer: 
         error = str(e)
     except Exception as e:  # OSError, FormatError, ...: every rank says what this one found
         error = str(unreadable(folder.path, e))
-    agree(what, "reading the tensors", timeout, {"error": error}, nothing_changed="nothing was loaded")
+    agree(what, "reading the tensors", timeout, {"error": error}, nothing_changed="nothing was loaded", group=group)
     return model_sd, state
 
 

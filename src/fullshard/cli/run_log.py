@@ -66,7 +66,7 @@ def latest_rows(rows: list[dict]) -> list[dict]:
     return sorted({row["step"]: row for row in rows}.values(), key=lambda row: row["step"])
 
 
-def summary(steps: int, rows: list[dict], out: Path, saved: bool = True) -> str:
+def summary(steps: int, rows: list[dict], out: Path) -> str:
     """The closing table: validation loss, speed, memory and where the outputs are."""
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     trained = [r for r in rows if "loss" in r]
@@ -83,8 +83,7 @@ def summary(steps: int, rows: list[dict], out: Path, saved: bool = True) -> str:
         f"| sent per step per rank (median) | {sent / 2**20:.1f} MiB |",
         f"| metrics | {out / 'metrics.jsonl'} |",
         f"| plot | {out / 'loss.png'} |",
-        f"| checkpoint | {out / 'checkpoint'} (resumed by running the same command again) |" if saved else
-        "| checkpoint | none (--sync-every: docs/diloco.md) |",
+        f"| checkpoint | {out / 'checkpoint'} (resumed by running the same command again) |",
     ]
     return "\n".join(lines)
 

@@ -33,7 +33,7 @@ from fullshard.cli.config import (TrainConfig, fatal, gpt_dims, nonfinite_policy
 from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.cli.run_log import latest_rows, open_log, plot, read_rows, summary
-from fullshard.collectives import all_reduce_
+from fullshard.collectives import all_gather_ints, all_reduce_
 from fullshard.errors import CollectiveError, EveryRankError, FullShardError, collective_failed, fail
 from fullshard.stats import return_freed_memory
 from fullshard.gpt import GPT, Block, GPTConfig, parameter_count
@@ -181,7 +181,7 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
             overlap=cfg.fragments > 1, timeout=cfg.timeout)
         setting += (f"; DiLoCo: {cfg.replicas} replica groups of {world // cfg.replicas} rank(s), syncing every "
                     f"{cfg.sync_every} steps" + (f" in {cfg.fragments} fragments" if cfg.fragments > 1 else "") +
-                    f", outer gradients in {cfg.outer_dtype}; no checkpoints")
+                    f", outer gradients in {cfg.outer_dtype}; a checkpoint per replica group")
     run = Run(cfg, rank, world, device, model, optimizer,
               scaler=fullshard.GradScaler(device.type) if cfg.precision == "fp16" else None,
               train_data=torch.frombuffer(train_bytes, dtype=torch.uint8),
@@ -249,10 +249,28 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, devic
         (f", gradients sent in {cfg.reduce}" if send else "")
 
 
+def own_checkpoint(run: Run, ckpt: Path) -> Path:
+    """Where this rank's checkpoint goes: `ckpt`, or with --sync-every its replica group's own
+    directory in it (Note [replica checkpoints] in fullshard/checkpoint/store.py)."""
+    return ckpt / f"replica_{dist.get_rank(run.optimizer.group)}" if run.cfg.sync_every else ckpt
+
+
 def resume(run: Run, ckpt: Path) -> int:
-    """Load the newest complete checkpoint (--resume); the step to continue from (0: none; always
-    with --sync-every, whose runs save none: docs/diloco.md)."""
-    if not (run.cfg.resume and (ckpt / "LATEST").is_file()) or run.cfg.sync_every:
+    """Load the newest complete checkpoint (--resume); the step to continue from (0: none). With
+    --sync-every, each replica group its own, all of one step."""
+    start = load_newest(run, own_checkpoint(run, ckpt))
+    if run.cfg.sync_every:
+        starts = [s for (s,) in all_gather_ints([start], device=run.device, timeout=run.timeout,
+                                                what="the replica groups' resumed steps")]
+        if len(set(starts)) > 1:
+            raise EveryRankError(f"the replica groups' newest checkpoints in {ckpt} are of steps {sorted(set(starts))}: "
+                                 f"a save of the last of them failed in some group. Delete the newer versions, or "
+                                 f"pass --no-resume")
+    return start
+
+
+def load_newest(run: Run, ckpt: Path) -> int:
+    if not (run.cfg.resume and (ckpt / "LATEST").is_file()):
         return 0
     start = fullshard.load(ckpt, run.model, run.optimizer)["step"]
     if start is None:
@@ -285,9 +303,9 @@ def train_loop(run: Run, start: int, log: TextIO | None, ckpt: Path) -> None:
         now = time.perf_counter()
         record["step_s"] = round(now - last, 4)  # since the previous row: a save's stall shows in the next step
         write_row(log, progress, record)
-        if ((cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps) and not cfg.sync_every:
-            saving = fullshard.save(ckpt, run.model, run.optimizer, step=done, block=not cfg.background_saves,
-                                    extra={"preset": cfg.preset, "dims": gpt_dims(cfg)})
+        if (cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps:
+            saving = fullshard.save(own_checkpoint(run, ckpt), run.model, run.optimizer, step=done,
+                                    block=not cfg.background_saves, extra={"preset": cfg.preset, "dims": gpt_dims(cfg)})
         last = now
     if cfg.sync_every:
         run.optimizer.finish()  # with fragments: the last step's sync
@@ -412,7 +430,7 @@ def report(cfg: TrainConfig, out: Path, text: str) -> None:
     print(f"\nsample:\n{text}\n", flush=True)
     saves = [r["step"] for r in rows if "loss" in r and cfg.ckpt_interval and r["step"] % cfg.ckpt_interval == 0]
     plot(rows, out / "loss.png", saves)
-    print(summary(cfg.steps, rows, out, saved=not cfg.sync_every), flush=True)
+    print(summary(cfg.steps, rows, out), flush=True)
 
 
 def exchange_metrics(figures: list, *, step: int, device: torch.device, timeout: timedelta) -> list[list[float]]:
