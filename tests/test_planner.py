@@ -311,3 +311,31 @@ def predicted_kind(preset: str, optimizer: str):
                           precisions=("fp32",), strategies=("full_shard",), hardware=CPU, optimizer=optimizer)
     return next(c for c in plan.candidates if c.wrap == "blocks" and c.limit_all_gathers == 2 and not c.checkpointing
                 and c.gather == c.reduce == "exact")
+
+
+def test_sync_every_prices_diloco_and_a_slow_link_chooses_it():
+    """plan(..., sync_every=H) adds hybrid sharding's replica groups under DiLoCo: their bytes
+    across nodes are a sync's all-gather of every fp32 shard value (and its 24-byte header) over
+    H steps, their anchors and outer momentum two fp32 copies of the shards. Between two
+    8-GPU nodes, a link of 0.1 GB/s makes the step network-bound and DiLoCo is chosen; a link of
+    1 PB/s does not; without sync_every it is never offered; apply_plan says what to do by hand."""
+    model = meta_gpt("15m")
+    slow = dataclasses.replace(HARDWARE["a100"], cross_bw=0.1e9)
+    fast = dataclasses.replace(HARDWARE["a100"], cross_bw=1e15, intra_bw=1e15)
+    plan = fullshard.plan(model, world_size=16, memory_budget=1e15, batch=4, seq=128, hardware=slow, sync_every=50)
+    c = plan.chosen
+    assert c.sync_every == 50 and c.strategy == "hybrid_shard" and "DiLoCo syncing every 50" in plan.explain()
+    same = next(x for x in plan.candidates if not x.sync_every and
+                (x.wrap, x.strategy, x.limit_all_gathers, x.precision, x.checkpointing, x.gather) ==
+                (c.wrap, c.strategy, c.limit_all_gathers, c.precision, c.checkpointing, c.gather))
+    shard_values = same.memory["shards"] // 4  # fp32 masters, a rank's shard of each unit
+    assert c.sent_cross == (2 - 1) * (24 + 4 * shard_values) // 50
+    assert c.host == same.host + 2 * same.memory["shards"] and c.step_s * 1.25 <= same.step_s
+    assert not fullshard.plan(model, world_size=16, memory_budget=1e15, batch=4, seq=128, hardware=fast,
+                              sync_every=50).chosen.sync_every
+    assert not any(x.sync_every for x in fullshard.plan(model, world_size=16, memory_budget=1e15, batch=4, seq=128,
+                                                        hardware=slow).candidates)
+    with pytest.raises(FullShardError, match="trains replica groups under DiLoCo"):
+        fullshard.apply_plan(meta_gpt("15m"), plan)
+    with pytest.raises(FullShardError, match="sync_every=0 must be an int of at least 1"):
+        fullshard.plan(model, world_size=16, memory_budget=1e15, batch=4, seq=128, hardware=slow, sync_every=0)

@@ -126,6 +126,7 @@ class Candidate:
     sent_intra: int = 0  # bytes a rank sends per step inside its shard group
     sent_cross: int = 0  # across replicas
     sent_optimizer: int = 0  # by a matrix optimizer's exchange (Muon: Note [matrix optimizers]), inside the group
+    sync_every: int = 0  # hybrid_shard's replicas under DiLoCo, syncing every this many steps (0: every step)
     collectives: int = 0
     compute_s: float = 0.0  # of the step, communication aside
     step_s: float = 0.0
@@ -134,7 +135,8 @@ class Candidate:
     def row(self) -> str:
         gather = "exact" if self.gather == "exact" else "int8 (changes numerics)"
         reduce = "exact" if self.reduce == "exact" else f"{self.reduce} (changes numerics)"
-        return (f"| {self.wrap} | {self.strategy} | {self.limit_all_gathers} | {self.precision} | "
+        strategy = self.strategy + (f" + DiLoCo (H={self.sync_every})" if self.sync_every else "")
+        return (f"| {self.wrap} | {strategy} | {self.limit_all_gathers} | {self.precision} | "
                 f"{'yes' if self.checkpointing else 'no'} | {'yes' if self.offload else 'no'} | {gather} | {reduce} | "
                 f"{self.peak / 2**20:.0f} | {self.sent_intra / 2**20:.1f} | "
                 f"{self.sent_cross / 2**20:.1f} | {self.step_s:.3f} | {'yes' if self.fits else 'no'} |")
@@ -166,10 +168,18 @@ class Plan:
                 f"offload={'on' if c.offload else 'off'}"
                 f"{', int8 gathers (they change numerics: Note [int8 gathers])' if c.gather == 'int8' else ''}"
                 f"{f', gradients sent in {c.reduce} (Note [low-precision reductions])' if c.reduce != 'exact' else ''}"
-                f"{f', Muon exchanging {c.sent_optimizer / 2**20:.1f} MiB' if c.sent_optimizer else ''}: "
+                f"{f', Muon exchanging {c.sent_optimizer / 2**20:.1f} MiB' if c.sent_optimizer else ''}"
+                f"{diloco_words(c)}: "
                 f"the fastest predicted "
                 f"step ({c.step_s:.3f} s on {self.hardware.name}) of the {sum(x.fits for x in self.candidates)} "
                 f"candidates within {self.memory_budget / 2**20:.0f} MiB per rank; peak {c.peak / 2**20:.0f} MiB ({parts})")
+
+
+def diloco_words(c: Candidate) -> str:
+    if not c.sync_every:
+        return ""
+    return (f", the replica groups under DiLoCo syncing every {c.sync_every} steps (it changes training: shard "
+            f"over mesh['shard'] and wrap the optimizer in fullshard.DiLoCo, docs/diloco.md)")
 
 
 # ---- measuring the model on meta ----------------------------------------------------------
@@ -407,6 +417,16 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
         sum((F - 1) * r for r in sent_rows) if F > 1 else 0
     c.sent_cross = sum(2 * (R - 1) * r * reduce_ // R for r in rows) if R > 1 else 0
     c.collectives = (sum(gathers) + len(units) if F > 1 else 0) + (len(units) if R > 1 else 0)
+    if c.sync_every:  # DiLoCo (docs/diloco.md): an all-gather of the fp32 outer gradients every H steps,
+        # its anchors and outer momentum (fp32, as the shards) beside the model
+        c.sent_cross = (R - 1) * (24 + 4 * sum(shard)) // c.sync_every
+        c.collectives -= len(units)
+        outer = 2 * S
+        if hardware.device == "cpu":
+            c.memory["outer state"] = outer
+            c.peak += outer
+        else:
+            c.host += outer
     # each rank sends its rows of the other ranks' matrices and gets its rows of their updates, both bf16,
     # each of the two messages to a peer led by the step's 8-byte digest (Note [matrix identity])
     c.sent_optimizer = 2 * 2 * exchanged * (F - 1) // (F * F) + (2 * 8 * (F - 1) if exchanged else 0)
@@ -422,7 +442,8 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     group_bw = hardware.intra_bw if F <= ranks_per_node else spanning_bw
     replica_bw = hardware.intra_bw if world <= ranks_per_node else spanning_bw if F == 1 else hardware.cross_bw
     comm_s = (c.sent_intra / group_bw + (sum(gathers) + len(units)) * (F - 1) * hardware.latency if F > 1 else 0) + \
-        (c.sent_cross / replica_bw + len(units) * 2 * (R - 1) * hardware.latency if R > 1 else 0)
+        (c.sent_cross / replica_bw + (R - 1) * hardware.latency * (len(units) * 2 if not c.sync_every else
+                                                                   1 / c.sync_every) if R > 1 else 0)
     # Muon's step follows backward, overlapping nothing: Newton-Schulz in bf16 (5 iterations,
     # the matrices shared by the group's ranks) and the two all_to_alls
     muon_s = 5 * sum(newton_schulz_flops(s) for _, s in matrices) / F / \
@@ -561,7 +582,8 @@ def calibrated(hw: Hardware, precisions: tuple[str, ...]) -> Hardware:
 
 def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch: int, seq: int,
          optimizer: str = "adamw", hardware: str | Hardware = "cpu", precisions: tuple[str, ...] = ("fp32", "bf16"),
-         strategies: tuple[str, ...] | None = None, tp: int = 1, tp_plan: dict | None = None) -> Plan:
+         strategies: tuple[str, ...] | None = None, tp: int = 1, tp_plan: dict | None = None,
+         sync_every: int | None = None) -> Plan:
     """Predict, for every candidate sharding, the per-rank peak memory, the bytes sent per step
     and the step time, and choose the fastest that fits `memory_budget`.
 
@@ -594,6 +616,10 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
             ``ranks_per_node // tp`` of them; memory and bytes are a TP rank's.
         tp_plan: with ``tp`` > 1, the ``parallelize_module`` plan, keyed by names in `model`
             (``"layers.*.attention.wq"``), that says which parameters TP splits.
+        sync_every: also price hybrid sharding's replica groups under fullshard.DiLoCo, syncing
+            every this many steps (docs/diloco.md): chosen, as it changes training, only when
+            its step is at least INT8_GAIN times faster than every synchronous one's (a step
+            bound by the link between nodes).
 
     Returns:
         A :class:`Plan`: ``chosen``, ``candidates`` (``table()``), ``explain()``.
@@ -619,6 +645,8 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
             f"divides world_size={world_size}", "Pass the tensor-parallel degree, e.g. 2 or 8.")
     require(tp == 1 or isinstance(tp_plan, dict) and tp_plan, f"tp={tp} needs tp_plan, the parallelize_module "
             "plan over the model", 'Pass e.g. {"layers.*.attention.wq": ColwiseParallel(), ...}.')
+    require(sync_every is None or type(sync_every) is int and sync_every >= 1, f"sync_every={sync_every!r} must be "
+            "an int of at least 1", "Pass how many steps DiLoCo's replica groups train between syncs, e.g. 50.")
     hw = calibrated(hw, tuple(precisions))
     if tp > 1:  # TP stays inside a node; each data-parallel group has ranks_per_node // tp ranks there
         hw = dataclasses.replace(hw, ranks_per_node=max(1, hw.ranks_per_node // tp))
@@ -649,11 +677,14 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
         states = (counts[0] + 2 * counts[1]) / max(sum(counts), 1)
     offloads = (False, True) if hw.host_bw else (False,)  # a CPU rank's memory is host memory already
     candidates = []
-    for wrap, strategy, limit, (prec, ck), offload, gather, reduce in itertools.product(
-            wraps, strategies, (1, 2), acts, offloads, ("exact", "int8"), ("exact", "bf16", "int8")):
+    syncs = (0,) if sync_every is None else (0, sync_every)
+    for wrap, strategy, limit, (prec, ck), offload, gather, reduce, every in itertools.product(
+            wraps, strategies, (1, 2), acts, offloads, ("exact", "int8"), ("exact", "bf16", "int8"), syncs):
         if reduce == "bf16" and prec == "bf16" or reduce != "exact" and strategy == "no_shard":
             continue  # sends what an exact reduction sends (no_shard's all-reduce sends the reduce dtype)
-        c = Candidate(wrap, strategy, limit, prec, ck, offload, gather, reduce)
+        if every and (strategy != "hybrid_shard" or reduce != "exact"):
+            continue  # DiLoCo's replica groups are hybrid sharding's; nothing crosses them each step
+        c = Candidate(wrap, strategy, limit, prec, ck, offload, gather, reduce, sync_every=every)
         cost(c, shapes[wrap], world=dp_world, acts=acts[(prec, ck)], optimizer_states=states, hardware=hw,
              tokens=batch * seq, matrices=matrices)
         c.fits = needed(c, hw) <= memory_budget and c.host <= hw.host_memory
@@ -666,10 +697,10 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
                    f"(wrap={least.wrap}, {least.strategy}, {least.precision}, checkpointing "
                    f"{'on' if least.checkpointing else 'off'}, offload {'on' if least.offload else 'off'})",
                    f"Give each rank at least {in_bytes(needed(least, hw))}, use more ranks, or a smaller batch.")
-    # quantized gathers and reductions change numerics: chosen only when nothing exact fits, or
-    # when they make the step at least INT8_GAIN times faster (a step bound by the network)
+    # quantized gathers and reductions, and DiLoCo, change numerics: chosen only when nothing exact
+    # fits, or when they make the step at least INT8_GAIN times faster (a step bound by the network)
     fastest = min(fitting, key=lambda c: (c.step_s, c.peak))
-    exact = [c for c in fitting if c.gather == c.reduce == "exact"]
+    exact = [c for c in fitting if c.gather == c.reduce == "exact" and not c.sync_every]
     chosen = fastest if not exact or fastest.step_s * INT8_GAIN <= min(c.step_s for c in exact) else \
         min(exact, key=lambda c: (c.step_s, c.peak))
     return Plan(chosen, candidates, world_size, int(memory_budget), hw, block, tp)
@@ -681,6 +712,10 @@ def apply_plan(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None) 
     `mesh`: as shard_model's; a plan with ``tp`` > 1 needs the data-parallel dims of the mesh
     whose TP dim the model was parallelized over."""
     c = plan.chosen
+    require(not c.sync_every, f"this plan trains replica groups under DiLoCo (sync_every={c.sync_every}), which "
+            "apply_plan cannot set up: the optimizer is yours", "Shard the model over mesh['shard'] of a (replicate, "
+            "shard) mesh with the plan's settings and wrap your optimizer: fullshard.DiLoCo(model, optimizer, "
+            "mesh['replicate'], sync_every=...) (docs/diloco.md).")
     require(plan.tp == 1 or mesh is not None, f"this plan is for {plan.tp} tensor-parallel ranks; apply_plan "
             "needs the data-parallel mesh", 'Pass mesh=mesh_2d["dp"] (after parallelize_module(model, '
             'mesh_2d["tp"], plan)).')
