@@ -53,6 +53,7 @@ from fullshard.errors import CollectiveError, collective_failed, fail, require
 from fullshard.hooks import units_of
 from fullshard.mesh import REPLICA_OF, ReplicaOf
 from fullshard.param import ShardedParam
+from fullshard import runtime
 from fullshard.runtime import launched
 from fullshard.state_dict import param_names
 
@@ -278,20 +279,22 @@ class DiLoCo(torch.optim.Optimizer):
             wait_all(flight.works, Caller(what, self.timeout), on_device=self.device.type == "cuda")
         except CollectiveError as e:
             raise collective_failed(what, e, timeout=self.timeout) from None
-        headers = flight.rows[:, :HEADER].contiguous().view(torch.int64).tolist()
-        for r, (digest, index, step) in enumerate(headers):
+        total = torch.zeros(f.wire.numel, dtype=torch.float32, device=self.device)
+        finite = torch.empty(self.replica_count, dtype=torch.int64, device=self.device)
+        for r in range(self.replica_count):  # in replica order: the same sum on every replica
+            value = torch.zeros_like(total)
+            f.wire.add_decoded(flight.rows[r, HEADER:], value)
+            finite[r] = torch.isfinite(value).all()
+            total.add_(value)
+        read = torch.cat([flight.rows[:, :HEADER].contiguous().view(torch.int64), finite[:, None]], dim=1)  # [R, 4]
+        seen = runtime.active.read_on_host(read, timeout=self.timeout, what=what)  # the sync's one host read
+        for r, (digest, index, step, _) in enumerate(seen):
             if (digest, index, step) != (f.digest, f.index, flight.step):
                 raise fail(f"{what}: replica {r} sent fragment {index} after its inner step {step} (layout "
                            f"{digest}), this replica fragment {f.index} after step {flight.step} (layout {f.digest})",
                            "Give every replica group the same model, fragments, sync_every and outer_dtype, and "
                            "step them alike (resume every group from checkpoints of the same step).")
-        total = torch.zeros(f.wire.numel, dtype=torch.float32, device=self.device)
-        bad = 0  # a bit per replica whose row holds an inf or NaN
-        for r in range(self.replica_count):
-            value = torch.zeros_like(total)
-            f.wire.add_decoded(flight.rows[r, HEADER:], value)
-            bad |= (not bool(torch.isfinite(value).all())) << r
-            total.add_(value)
+        bad = sum((1 - ok) << r for r, (*_, ok) in enumerate(seen))  # a bit per replica whose row holds an inf or NaN
         try:  # the other shards of this replica's model decide alike, or they would go on without it
             for group in self.model_groups:
                 for (code,) in all_gather_ints([bad], device=self.device, timeout=self.timeout, group=group,
