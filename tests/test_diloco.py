@@ -78,7 +78,7 @@ def diloco_job(shape: tuple[int, int], steps: int, sync_every: int, fragments: i
     diloco.finish()
     return {"params": full_state(model), "names": [f.names for f in diloco.fragments],
             "phases": [f.phase for f in diloco.fragments], "equal_after_sync": equal_after_sync,
-            "bytes_sent": diloco.bytes_sent, "norms": norms}
+            "bytes_sent": diloco.bytes_sent, "norms": norms, "stats_cross": fullshard.stats(model).cross_group_bytes}
 
 
 def replicas_equal(tensors: list[torch.Tensor], mesh) -> bool:
@@ -204,6 +204,7 @@ def test_sync_every_step_with_a_plain_outer_step_is_synchronous_training_in_its_
         # 8 a unit there), and 1/H of it syncing every H steps
         one_sync = fullshard.diloco.HEADER + 4 * want["local_values"]
         assert got["bytes_sent"] == 4 * one_sync and abs(got["bytes_sent"] - want["cross_bytes"]) <= 4 * 32
+        assert got["stats_cross"] == got["bytes_sent"]  # fullshard.stats counts DiLoCo's syncs across replicas
         assert sparse["bytes_sent"] == 2 * one_sync
 
 
@@ -410,6 +411,7 @@ def test_train_with_sync_every_trains_replica_groups_that_sync_and_resumes(tmp_p
     assert sorted(synced) == [4, 8, 12] and len(set(synced.values())) == 1, synced
     parameters = 118_016  # the tiny GPT's, at --seq-len 32
     assert parameters < synced[4] < 0.27 * 4 * parameters, synced
+    assert all(row["sent_bytes"] == row["replica_bytes"] for row in rows if "loss" in row)  # groups of 1 rank
     assert rows[-1]["val_loss"] < rows[0]["val_loss"]
     done = train(16)
     assert "at step 12" in done.stdout, done.stdout[-2000:]

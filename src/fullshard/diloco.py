@@ -122,6 +122,7 @@ class Fragment:
     params: list[ShardedParam]
     anchors: list[nn.Parameter]
     phase: int  # it syncs after inner step t when t % sync_every == phase
+    counts: dict  # its first unit's counters (fullshard.stats): its syncs count as traffic across replicas
     digest: int = 0
     wire: Wire | None = None
 
@@ -265,6 +266,8 @@ class DiLoCo(torch.optim.Optimizer):
         f.wire.encode(delta, sent[HEADER:])
         rows = torch.empty(self.replica_count * sent.numel(), dtype=torch.uint8, device=self.device)
         self.bytes_sent += (self.replica_count - 1) * sent.numel()
+        f.counts["all_reduces"] += 1
+        f.counts["all_reduce_bytes"] += (self.replica_count - 1) * sent.numel()
         work = _all_gather_single(rows, sent, group=self.group, async_op=True)
         return InFlight(f, launched([work], reads=[sent], writes=[rows]), rows.view(self.replica_count, -1),
                         self.steps, sent)
@@ -495,5 +498,6 @@ def split(model: nn.Module, units: list, fragments: int | list[list[nn.Module]],
         params = [p for u in group for p in u.params if p.sharded.requires_grad]
         anchors = [nn.Parameter(p.sharded.to_local().detach().to("cpu", torch.float32, copy=True).reshape(-1),
                                 requires_grad=False) for p in params]
-        out.append(Fragment(k, [names[p.sharded] for p in params], params, anchors, (k + 1) * sync_every // len(groups) % sync_every))
+        out.append(Fragment(k, [names[p.sharded] for p in params], params, anchors,
+                            (k + 1) * sync_every // len(groups) % sync_every, group[0].counts))
     return out

@@ -42,7 +42,7 @@ class Stats:
 
     gathers = property(lambda self: self.total("gathers"))
     reduce_scatters = property(lambda self: self.total("reduce_scatters"))
-    all_reduces = property(lambda self: self.total("all_reduces"))  # across replicas (hybrid sharding, no_shard)
+    all_reduces = property(lambda self: self.total("all_reduces"))  # across replicas (hybrid sharding, no_shard, DiLoCo's syncs)
     gather_bytes = property(lambda self: self.total("gather_bytes"))
     reduce_scatter_bytes = property(lambda self: self.total("reduce_scatter_bytes"))
     all_reduce_bytes = property(lambda self: self.total("all_reduce_bytes"))
@@ -87,7 +87,7 @@ class Stats:
 
     @property
     def cross_group_bytes(self) -> int:
-        """Logical bytes across replicas (hybrid sharding's all-reduce): the cross-node traffic."""
+        """Logical bytes across replicas (hybrid sharding's all-reduce, DiLoCo's syncs): the cross-node traffic."""
         return self.all_reduce_bytes
 
     @property

@@ -328,7 +328,7 @@ def train_step(run: Run, step: int, comm_stats, manager=None) -> dict:
     loss_sum = torch.zeros((), device=run.device)
     data_rank, data_ranks = run.data_ranks
     between_stages = 0  # bytes this rank sent to other stages
-    to_replicas = getattr(run.optimizer, "bytes_sent", 0)  # DiLoCo's: bytes sent to other replica groups
+    to_replicas = getattr(run.optimizer, "bytes_sent", 0)  # DiLoCo's to the other replica groups (in comm's too)
     with comm_stats as comm:
         offsets = batch_offsets(len(run.train_data), step, seed=cfg.seed, seq_len=cfg.seq_len, batch=cfg.global_batch)
         if run.pipe is not None:  # the schedule takes the rank's micro-batches at once
@@ -349,7 +349,7 @@ def train_step(run: Run, step: int, comm_stats, manager=None) -> dict:
     return {"step": step + 1, "loss": sum(r[0] for r in ranks) / data_ranks, "lr": lr,
             "grad_norm": ranks[run.rank][1], "tokens_per_s": cfg.global_batch // parts * cfg.seq_len / seconds,
             "peak_mem_mb": [round(r[2], 1) for r in ranks],
-            "sent_bytes": comm.sent_bytes + between_stages + to_replicas, "wait_s": round(comm.wait_s, 4),
+            "sent_bytes": comm.sent_bytes + between_stages, "wait_s": round(comm.wait_s, 4),
             **({"replica_bytes": to_replicas} if cfg.sync_every else {})}
 
 
