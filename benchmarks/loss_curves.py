@@ -42,7 +42,7 @@ def main() -> None:
     last = max(r["step"] for r in reference[0] if "val_loss" in r)
     windows_ = [(a, b) for a, b in WINDOWS if b <= last]
     print("| runs | count | " + " | ".join(f"loss, steps {a}-{b}" for a, b in windows_) +
-          f" | validation loss, step {last} | sent per step per rank |")
+          f" | validation loss, step {last} | sent per step per rank (mean) |")
     print("|---|---|" + "---|" * (len(windows_) + 2))
     for name, runs in groups.items():
         steps = [r["step"] for r in runs[0] if "loss" in r]
@@ -57,7 +57,7 @@ def main() -> None:
                           label=name if i == 0 else None)
         windows = [statistics.fmean(v for s, v in zip(steps, mean) if a <= s <= b) for a, b in windows_]
         val = [r["val_loss"] for run in runs for r in run if r["step"] == last and "val_loss" in r]
-        sent = statistics.median(r["sent_bytes"] for r in runs[0] if "sent_bytes" in r)
+        sent = statistics.fmean(r["sent_bytes"] for r in runs[0] if "sent_bytes" in r)  # DiLoCo: the syncs' spread
         print(f"| {name} | {len(runs)} | " + " | ".join(f"{w:.3f}" for w in windows) +
               f" | {statistics.fmean(val):.4f} ({min(val):.4f}-{max(val):.4f}) | {sent:,.0f} B |")
     # the reference's own spread over its runs, at each step
