@@ -155,9 +155,10 @@ def test_every_hostile_manifest_value_is_refused_by_name_or_loads_exactly(tmp_pa
         with World(world_size, forked=True) as world:  # fresh processes: a crash is seen, and named
             try:
                 results[world_size] = world.run(hostile_job, root=str(root / "ckpt"))
-            except AssertionError:
+            except AssertionError as e:
                 crashed = {p.name: p.read_text() for p in root.glob("progress-*")}
-                raise AssertionError(f"world {world_size}: a rank died or raised in case {crashed}") from None
+                raise AssertionError(f"world {world_size}: a rank died or raised in case {crashed} "
+                                     f"(no progress file: before the cases); {str(e)[-2000:]}") from None
     for world_size, per_rank in results.items():
         for rank, got in enumerate(per_rank):
             assert not got["wrong"], (world_size, rank, got["wrong"][:10])
