@@ -216,7 +216,7 @@ class Root:
             if finite is not None:
                 bad = torch.where(finite, bad, 2 * other.index + (other.switches.nonfinite == "raise"))
         groups, own = [g for g in dp_groups(unit.group) if g is None or dist.get_world_size(g) > 1], None
-        codes = [int(bad.item())] if not groups else []  # a model of one rank decides alone
+        codes = runtime.active.read_on_host(bad, timeout=unit.timeout, what=NONFINITE) if not groups else []  # alone
         try:
             for group in groups:  # a sub-mesh's groups in turn, each passing on the worst code it saw
                 codes = [code for (code,) in all_gather_ints(bad, device=unit.compute_device, timeout=unit.timeout,
