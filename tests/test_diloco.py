@@ -308,6 +308,11 @@ def bad_job(case: str) -> str:
     }.get(case, {}))
     try:
         diloco = fullshard.DiLoCo(model, inner, args.pop("replicas"), **args)
+        if case == "a hostile step":  # a state dict whose step is not a count
+            state = diloco.state_dict()
+            for values in state["state"].values():
+                values["diloco_step"] = torch.tensor(float("nan"))
+            diloco.load_state_dict(state)
         if case == "a step ahead" and replica == 1:  # as if resumed from a state of another step
             state = diloco.state_dict()
             for values in state["state"].values():
@@ -335,6 +340,7 @@ BAD = {
     "other values": "DiLoCo's replicas start from different parameter values",
     "other settings": "DiLoCo's replicas hold other parameters, fragments or settings",
     "a step ahead": "sent fragment 0 after its inner step",
+    "a hostile step": "DiLoCo's saved diloco_step is tensor(nan), not a count of inner steps",
 }
 
 

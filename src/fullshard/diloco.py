@@ -331,7 +331,6 @@ class DiLoCo(torch.optim.Optimizer):
         and "diloco_step" to the anchors, the averages not yet applied, the outer optimizer and
         the step count (what a sync in flight would have brought is replaced)."""
         self.receive()
-        self.pending = []
         params = [p for group in self.param_groups for p in group["params"]]
         inner_state, outer_state, anchors, pending, steps = {}, {}, {}, {}, None
         for index, values in state_dict["state"].items():
@@ -347,8 +346,9 @@ class DiLoCo(torch.optim.Optimizer):
             outer_state[position] = {k[len("outer_"):]: flat_like(local_part(v), f.anchors[i]) for k, v in mine.items()
                                      if k.startswith("outer_") and k not in ("outer_anchor", "outer_pending")}
             if "diloco_step" in mine:
-                steps = int(mine["diloco_step"])
+                steps = step_of(mine["diloco_step"])
         self.inner.load_state_dict({"state": inner_state, "param_groups": state_dict["param_groups"]})
+        self.pending = []  # what the state holds replaces what was received
         flat = [a for f in self.fragments for a in f.anchors]
         for position, value in anchors.items():
             if value is not None:
@@ -411,6 +411,15 @@ def own_group(unit, timeout: timedelta) -> dist.ProcessGroup:
             "Shard each replica group's model over its own ranks, every rank of the job in one group.")
     own, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo", timeout=timeout)
     return own
+
+
+def step_of(value: Any) -> int:
+    """A saved "diloco_step": a whole number of inner steps, else a FullShardError (before anything loads)."""
+    number = float(value) if isinstance(value, (int, float, torch.Tensor)) and torch.tensor(value).numel() == 1 \
+        else float("nan")
+    require(number == number and 0 <= number < 2**62 and number == int(number), f"DiLoCo's saved diloco_step is "
+            f"{value!r}, not a count of inner steps", "Load a state dict or checkpoint that DiLoCo saved.")
+    return int(number)
 
 
 def local_part(value: Any) -> Any:
