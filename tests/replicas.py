@@ -258,6 +258,7 @@ class Replicas:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(FORK_PRELOAD)
         self.ctx, self.kind, self.group_size, self.steps, self.bind = ctx, kind, group_size, steps, bind
+        self.target = options.pop("target", rank_main)  # tests/diloco_replicas.py's diloco_rank for DiLoCo
         self.options = {"optimizer": "adamw", "clip": False, **options}
         address = ctx.Queue()
         self.lighthouse = ctx.Process(target=lighthouse_main, args=(bind, min_replicas, address), daemon=True)
@@ -271,17 +272,20 @@ class Replicas:
         self.stop = ctx.Value("q", 2**62, lock=False)  # the committed step every rank ends at (stop_soon sets it)
         self.release = ctx.Value("b", 0, lock=False)  # 1: finished ranks exit
         self.killed_at = ctx.Value("d", 0.0, lock=False)  # time.time() of the last kill
+        self.gate = ctx.Value("b", 0, lock=False)  # 1: a rank told to hold at a step goes on
         self.rows: dict[tuple[int, int], list] = {}
         self.finished: set[tuple[int, int]] = set()
         self.errors: dict[tuple[int, int], str] = {}
         self.resumed: dict[tuple[int, int], dict] = {}
+        self.other: dict[str, dict[tuple[int, int], Any]] = {}  # any other report, by kind
         self.started_at: dict[int, float] = {}  # time.time() of each group's last start
         self.procs: dict[tuple[int, int], Any] = {}
         for replica in range(replicas):
             self.start(replica)
 
-    def start(self, replica: int, kill: dict | None = None, kill_rank: int = 0) -> None:
-        """Start (or restart) a replica group; its rows so far are kept under (replica, rank, "before")."""
+    def start(self, replica: int, kill: dict | None = None, kill_rank: int = 0, **only: Any) -> None:
+        """Start (or restart) a replica group, `only` added to its ranks' options; its rows so far
+        are kept under (replica, rank, n)."""
         for rank in range(self.group_size):
             if (replica, rank) in self.procs:  # a restart: the group's previous ranks are gone first
                 self.procs[replica, rank].kill()
@@ -296,11 +300,11 @@ class Replicas:
                    "bind": self.options.get("binds", {}).get(replica, self.bind), "store_port": port,
                    "lighthouse": self.address,
                    "steps": self.steps, "iterations": 4 * self.steps, "stop": self.stop, "release": self.release,
-                   "killed_at": self.killed_at,
-                   **self.options,
+                   "killed_at": self.killed_at, "gate": self.gate,
+                   **self.options, **only,
                    "kill": kill if rank == kill_rank else None}
             self.queues.append(self.ctx.Queue())
-            proc = self.ctx.Process(target=rank_main, args=(cfg, self.queues[-1]), daemon=True)
+            proc = self.ctx.Process(target=self.target, args=(cfg, self.queues[-1]), daemon=True)
             proc.start()
             self.procs[replica, rank] = proc
 
@@ -330,8 +334,10 @@ class Replicas:
             self.resumed[replica, rank] = payload
         elif kind == "error":
             self.errors[replica, rank] = payload
-        else:
+        elif kind == "done":
             self.finished.add((replica, rank))
+        else:
+            self.other.setdefault(kind, {})[replica, rank] = payload
         return True
 
     def next_report(self) -> tuple | None:

@@ -10,12 +10,15 @@ they last agreed.
 # fragment:
 # - outer gradient = anchor - local shard, of each of its parameters, as one float32 row;
 # - sent as float32, bfloat16 or int8 blocks (Note [block codes] in blocks.py: one scale per
-#   block of 256 values of one parameter), after a header of three int64s: a digest of the
-#   fragment's layout and the settings, its index, and the inner step. One all-gather over the replica group;
-# - every replica decodes every row and adds them in replica order into a float32 sum, divided
-#   by the number of replicas: the same bits on every replica. A header that differs (another
-#   model, fragment or step) or a row holding an inf or a NaN raises a FullShardError on every
-#   replica before anything changes;
+#   block of 256 values of one parameter), after a header of five int64s: a digest of the
+#   fragment's layout and the settings, its index, the inner step, a digest of the fragment's
+#   anchors' bits, and whether the replica takes part (1; 0: a replica that healed in this
+#   sync, its row zeros). One all-gather over the replica group;
+# - every replica decodes the rows that take part and adds them in replica order into a float32
+#   sum, divided by their number: the same bits on every replica. A header that differs (another
+#   model, fragment or step, or anchors that are not bitwise the same: replicas that drifted
+#   apart) or a row holding an inf or a NaN raises a FullShardError on every replica before
+#   anything changes;
 # - the outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default, DiLoCo's) steps the
 #   anchors with that average as their gradient, and the fragment's parameters take the anchors'
 #   values: right after a sync every replica holds bitwise the same fragment.
@@ -29,7 +32,9 @@ they last agreed.
 # ("outer_anchor", "outer_<key>", "diloco_step" entries next to the inner optimizer's).
 # We wrote our own outer step rather than use torchft's DiLoCo: torchft's all-reduces the
 # outer gradients, so a backend sums them in the wire's dtype (no int8 blocks summed in
-# float32), and its quantization needs Triton on a GPU.
+# float32), and its quantization needs Triton on a GPU. Over torchft, the same outer step runs
+# on torchft's Manager (Note [managed syncs] in fullshard/ft/diloco.py): its quorum, its process
+# group and its heal.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from fullshard.runtime import launched
 from fullshard.state_dict import param_names
 
 OUTER_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
-HEADER = 24  # bytes: the layout's and settings' digest, the fragment's index, the inner step (int64 each)
+HEADER = 40  # bytes: the layout's and settings' digest, the fragment, the inner step, the anchors' digest, taking part
 INT8 = Codes(torch.int8)
 LAYOUT = site("DiLoCo's comparison of the replicas' parameters")
 NONFINITE = site("DiLoCo's agreement on a non-finite outer gradient")
@@ -135,7 +140,42 @@ class InFlight:
     works: list
     rows: torch.Tensor
     step: int
+    anchors: int  # the digest of the fragment's anchors' bits, as this replica sent it
     sent: torch.Tensor = field(repr=False, default=None)
+
+
+class Replicas:
+    """The other replica groups DiLoCo exchanges with: here the ranks holding the same shards in
+    the other groups of this job, one all-gather over their process group, every sync taken by
+    all of them. (fullshard.ft.ManagedReplicas: the groups torchft's quorum of the sync holds.)"""
+
+    managed = False  # whether a sync may fail, and is then redone
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def size(self) -> int:
+        """How many rows this sync's all-gather brings."""
+        return dist.get_world_size(self.group)
+
+    def begin(self) -> bool:
+        """Ready for a sync; whether this replica's outer gradient takes part in it."""
+        return True
+
+    def all_gather(self, rows: torch.Tensor, sent: torch.Tensor) -> list:
+        return [_all_gather_single(rows, sent, group=self.group, async_op=True)]
+
+    def wait(self, works: list, what: str, timeout: timedelta, device: torch.device) -> bool:
+        """Whether the all-gather arrived (here it does, or a FullShardError says why not)."""
+        try:
+            wait_all(works, Caller(what, timeout), on_device=device.type == "cuda")
+        except CollectiveError as e:
+            raise collective_failed(what, e, timeout=timeout) from None
+        return True
+
+    def commit(self) -> bool:
+        """Whether every rank of this replica group takes the sync's outer step."""
+        return True
 
 
 class DiLoCo(torch.optim.Optimizer):
@@ -173,47 +213,62 @@ class DiLoCo(torch.optim.Optimizer):
                 "Pass torch.float32, torch.bfloat16 or torch.int8.")
         require(type(overlap) is bool, f"DiLoCo(overlap={overlap!r}) must be True or False", "Pass overlap=True.")
         units = units_of(model, "DiLoCo")
-        self.group = replicas.get_group() if isinstance(replicas, DeviceMesh) else replicas
-        require(isinstance(self.group, dist.ProcessGroup), f"DiLoCo's replicas must be a process group or a 1-D "
-                f"DeviceMesh, got {type(replicas).__name__}", "Pass mesh['replicate'] of a (replicate, shard) mesh.")
-        check_apart(units, self.group)
+        if isinstance(replicas, (dist.ProcessGroup, DeviceMesh)):
+            replicas = Replicas(replicas.get_group() if isinstance(replicas, DeviceMesh) else replicas)
+        require(isinstance(replicas, Replicas), f"DiLoCo's replicas must be a process group, a 1-D DeviceMesh or "
+                f"fullshard.ft.ManagedReplicas, got {type(replicas).__name__}", "Pass mesh['replicate'] of a "
+                "(replicate, shard) mesh, or fullshard.ft.ManagedReplicas(manager) over torchft.")
+        require(not (overlap and replicas.managed), "DiLoCo(overlap=True) over torchft is not offered: a sync "
+                "commits, or is redone, before the next inner step (Note [managed syncs] in fullshard/ft/diloco.py)",
+                "Pass overlap=False with fullshard.ft.ManagedReplicas.")
+        self.replicas = replicas
         self.inner, self.sync_every, self.outer_dtype, self.overlap = inner, sync_every, outer_dtype, overlap
         self.timeout = timedelta(seconds=timeout) if timeout is not None else units[0].timeout
         self.device = units[0].group.device
         self.model_groups = [g for g in dp_groups(units[0].group) if dist.get_world_size(g) > 1]
-        setattr(model, REPLICA_OF, ReplicaOf(self.model_groups, own_group(units[0], self.timeout), self.group))
-        self.replica_count = dist.get_world_size(self.group)
+        if not replicas.managed:  # torchft's groups are jobs of their own: their world is their own ranks
+            check_apart(units, replicas.group)
+            setattr(model, REPLICA_OF, ReplicaOf(self.model_groups, own_group(units[0], self.timeout), replicas.group))
         self.fragments = split(model, units, fragments, sync_every)
-        self.check_replicas()
+        self.describe()
+        if not replicas.managed:  # torchft's: each sync's headers compare the replicas that take part
+            self.check_replicas()
         anchors = [a for f in self.fragments for a in f.anchors]
         self.outer = outer_optimizer(anchors)
         require(isinstance(self.outer, torch.optim.Optimizer), "DiLoCo's outer_optimizer must build a "
                 "torch.optim.Optimizer", "Pass e.g. lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, "
                 "nesterov=True).")
-        self.steps, self.bytes_sent = 0, 0
+        self.steps, self.bytes_sent, self.participants = 0, 0, 0  # participants: of the last sync taken
         self.in_flight: list[InFlight] = []
         self.pending: list[tuple[Fragment, torch.Tensor]] = []  # averages received, their outer steps not taken
         self.owner = {p.sharded: (f, i) for f in self.fragments for i, p in enumerate(f.params)}
         super().__init__([p for group in inner.param_groups for p in group["params"]], {})
         self.param_groups = inner.param_groups  # the inner optimizer's: a scheduler changes them there
         self.state = OuterState(self)
+        if replicas.managed:
+            replicas.bind(model, self)
+
+    def describe(self) -> None:
+        """Each fragment's digest of its parameters (by name, shape, dtype) and the settings, and its wire."""
+        self.described = [[f.index, name, list(p.local_shape), list(p.global_shape), str(p.sharded.dtype)]
+                          for f in self.fragments for name, p in zip(f.names, f.params)]
+        self.described.append(["sync_every", self.sync_every, "outer_dtype", OUTER_DTYPES[self.outer_dtype],
+                               "overlap", self.overlap])
+        for f in self.fragments:
+            f.digest = zlib.crc32(repr([d for d in self.described if d[0] in (f.index, "sync_every")]).encode()) \
+                & 0x7FFFFFFF
+            f.wire = Wire(self.outer_dtype, [p.sharded.to_local().numel() for p in f.params], self.device)
 
     def check_replicas(self) -> None:
         """Every replica holds the same fragments of the same parameters (by name, shape, dtype) and
         starts from the same values: a FullShardError on every replica otherwise."""
-        described = [[f.index, name, list(p.local_shape), list(p.global_shape), str(p.sharded.dtype)]
-                     for f in self.fragments for name, p in zip(f.names, f.params)]
-        described.append(["sync_every", self.sync_every, "outer_dtype", OUTER_DTYPES[self.outer_dtype], "overlap",
-                          self.overlap])
-        for f in self.fragments:
-            f.digest = zlib.crc32(repr([d for d in described if d[0] in (f.index, "sync_every")]).encode()) & 0x7FFFFFFF
-            f.wire = Wire(self.outer_dtype, [p.sharded.to_local().numel() for p in f.params], self.device)
-        bits = [int(a.detach().view(torch.int32).sum(dtype=torch.int64)) for f in self.fragments for a in f.anchors]
-        mine = [zlib.crc32(repr(described).encode()), zlib.crc32(repr(bits).encode())]
+        described, group = self.described, self.replicas.group
+        mine = [zlib.crc32(repr(described).encode()), zlib.crc32(repr([anchor_bits(f) for f in self.fragments])
+                                                                 .encode())]
         try:
-            everyone = all_gather_ints(mine, device=self.device, timeout=self.timeout, group=self.group, what=LAYOUT)
+            everyone = all_gather_ints(mine, device=self.device, timeout=self.timeout, group=group, what=LAYOUT)
             if len({tuple(d[:1]) for d in everyone}) > 1:
-                theirs = all_gather_json(described, device=self.device, timeout=self.timeout, group=self.group)
+                theirs = all_gather_json(described, device=self.device, timeout=self.timeout, group=group)
                 differ = [f"replica {r}: {[tuple(d) for d in t if d not in described][:4]}"
                           for r, t in enumerate(theirs) if t != described]
                 raise fail(f"DiLoCo's replicas hold other parameters, fragments or settings ((fragment, name, "
@@ -234,6 +289,10 @@ class DiLoCo(torch.optim.Optimizer):
         step's loss (what its closure returned)."""
         loss = self.inner.step(closure)
         self.steps += 1
+        if self.replicas.managed:
+            if any(self.steps % self.sync_every == f.phase for f in self.fragments):
+                self.sync_managed()
+            return loss
         self.finish()  # with overlap: the syncs started a step ago
         self.in_flight = [self.start(f) for f in self.fragments if self.steps % self.sync_every == f.phase]
         if not self.overlap:
@@ -257,47 +316,68 @@ class DiLoCo(torch.optim.Optimizer):
         flights, self.in_flight = self.in_flight, []
         self.pending += [(flight.fragment, self.average(flight)) for flight in flights]
 
-    def start(self, f: Fragment) -> InFlight:
-        """The fragment's outer gradient on its way to every replica."""
+    def sync_managed(self) -> None:
+        """The sync due now over torchft (Note [managed syncs] in fullshard/ft/diloco.py): taken
+        when this group's step commits; otherwise nothing changed, and it is redone in a new quorum."""
+        while True:
+            taking_part = self.replicas.begin()  # a heal here replaces this replica's state by a live one's
+            due = [f for f in self.fragments if self.steps % self.sync_every == f.phase]
+            require(len(due) == 1, f"DiLoCo healed to inner step {self.steps}, at which no sync is due",
+                    "Give every replica group the same fragments and sync_every.")
+            average = self.average(self.start(due[0], taking_part))
+            if self.replicas.commit() and average is not None:
+                self.apply(due[0], average)
+                return
+
+    def start(self, f: Fragment, taking_part: bool = True) -> InFlight:
+        """The fragment's outer gradient (zeros if it does not take part) on its way to every replica."""
         delta = torch.cat([anchor.to(self.device) - p.sharded.to_local().float().reshape(-1)
                            for anchor, p in zip(f.anchors, f.params)])
+        if not taking_part:
+            delta.zero_()
+        count, anchors = self.replicas.size(), anchor_bits(f)
         sent = torch.zeros(HEADER + f.wire.nbytes, dtype=torch.uint8, device=self.device)
-        sent[:HEADER].view(torch.int64).copy_(torch.tensor([f.digest, f.index, self.steps]))
+        sent[:HEADER].view(torch.int64).copy_(torch.tensor([f.digest, f.index, self.steps, anchors, int(taking_part)]))
         f.wire.encode(delta, sent[HEADER:])
-        rows = torch.empty(self.replica_count * sent.numel(), dtype=torch.uint8, device=self.device)
-        self.bytes_sent += (self.replica_count - 1) * sent.numel()
+        rows = torch.empty(count * sent.numel(), dtype=torch.uint8, device=self.device)
+        self.bytes_sent += (count - 1) * sent.numel()
         f.counts["all_reduces"] += 1
-        f.counts["all_reduce_bytes"] += (self.replica_count - 1) * sent.numel()
-        work = _all_gather_single(rows, sent, group=self.group, async_op=True)
-        return InFlight(f, launched([work], reads=[sent], writes=[rows]), rows.view(self.replica_count, -1),
-                        self.steps, sent)
+        f.counts["all_reduce_bytes"] += (count - 1) * sent.numel()
+        works = self.replicas.all_gather(rows, sent)
+        return InFlight(f, launched(works, reads=[sent], writes=[rows]), rows.view(count, -1), self.steps, anchors,
+                        sent)
 
-    def average(self, flight: InFlight) -> torch.Tensor:
-        """The replicas' outer gradients of the fragment, checked and averaged in float32 in replica
-        order (the same bits on every replica); a FullShardError, with nothing changed, if a
-        replica sent another fragment or step, or an inf or NaN."""
+    def average(self, flight: InFlight) -> torch.Tensor | None:
+        """The outer gradients of the replicas that take part, checked and averaged in float32 in
+        replica order (the same bits on every replica); None if the all-gather failed over torchft
+        (the sync is then redone); a FullShardError, with nothing changed, if a replica sent another
+        fragment, step or anchors, or an inf or NaN."""
         f = flight.fragment
         what = f"DiLoCo's all-gather of fragment {f.index}'s outer gradient after inner step {flight.step}"
-        try:
-            wait_all(flight.works, Caller(what, self.timeout), on_device=self.device.type == "cuda")
-        except CollectiveError as e:
-            raise collective_failed(what, e, timeout=self.timeout) from None
+        if not self.replicas.wait(flight.works, what, self.timeout, self.device):
+            return None
+        count = flight.rows.shape[0]
         total = torch.zeros(f.wire.numel, dtype=torch.float32, device=self.device)
-        finite = torch.empty(self.replica_count, dtype=torch.int64, device=self.device)
-        for r in range(self.replica_count):  # in replica order: the same sum on every replica
+        finite = torch.empty(count, dtype=torch.int64, device=self.device)
+        header = flight.rows[:, :HEADER].contiguous().view(torch.int64)  # [R, 5]
+        for r in range(count):  # in replica order: the same sum on every replica
             value = torch.zeros_like(total)
             f.wire.add_decoded(flight.rows[r, HEADER:], value)
             finite[r] = torch.isfinite(value).all()
-            total.add_(value)
-        read = torch.cat([flight.rows[:, :HEADER].contiguous().view(torch.int64), finite[:, None]], dim=1)  # [R, 4]
-        seen = runtime.active.read_on_host(read, timeout=self.timeout, what=what)  # the sync's one host read
-        for r, (digest, index, step, _) in enumerate(seen):
-            if (digest, index, step) != (f.digest, f.index, flight.step):
-                raise fail(f"{what}: replica {r} sent fragment {index} after its inner step {step} (layout "
-                           f"{digest}), this replica fragment {f.index} after step {flight.step} (layout {f.digest})",
-                           "Give every replica group the same model, fragments, sync_every and outer_dtype, and "
-                           "step them alike (resume every group from checkpoints of the same step).")
-        bad = sum((1 - ok) << r for r, (*_, ok) in enumerate(seen))  # a bit per replica whose row holds an inf or NaN
+            total.add_(torch.where(header[r, 4] == 1, value, 0.0))  # a row that does not take part counts 0
+        seen = runtime.active.read_on_host(torch.cat([header, finite[:, None]], dim=1), timeout=self.timeout,
+                                           what=what)  # [R, 6]: the sync's one host read
+        mine = (f.digest, f.index, flight.step, flight.anchors)
+        for r, (*theirs, part, _) in enumerate(seen):
+            if part and tuple(theirs) != mine:
+                raise fail(f"{what}: replica {r} sent fragment {theirs[1]} after its inner step {theirs[2]} (layout "
+                           f"{theirs[0]}, anchors {theirs[3]}), this replica fragment {f.index} after step "
+                           f"{flight.step} (layout {f.digest}, anchors {flight.anchors})",
+                           "Give every replica group the same model, fragments, sync_every and outer_dtype, start "
+                           "them from the same values, and step them alike (resume every group from checkpoints "
+                           "of the same step).")
+        taking_part = sum(part for *_, part, _ in seen)
+        bad = sum((1 - ok) << r for r, (*_, part, ok) in enumerate(seen) if part)  # a bit per replica with an inf or NaN
         try:  # the other shards of this replica's model decide alike, or they would go on without it
             for group in self.model_groups:
                 for (code,) in all_gather_ints([bad], device=self.device, timeout=self.timeout, group=group,
@@ -306,12 +386,13 @@ class DiLoCo(torch.optim.Optimizer):
         except CollectiveError as e:
             raise collective_failed(what, e, timeout=self.timeout) from None
         if bad:
-            replicas = [r for r in range(self.replica_count) if bad >> r & 1]
+            replicas = [r for r in range(count) if bad >> r & 1]
             raise fail(f"{what}: the outer gradient of replica {', '.join(map(str, replicas))} is not finite (inf or NaN); "
                        f"the outer step was not taken and the parameters are as they were",
                        "Lower the inner learning rate or clip the inner gradients (fullshard.clip_grad_norm_), "
                        "then resume from the last checkpoint.")
-        return total.div_(self.replica_count)
+        self.participants = taking_part
+        return total.div_(taking_part)
 
     def apply(self, f: Fragment, average: torch.Tensor) -> None:
         """The outer step of one fragment: its anchors step with `average` as their gradient, and
@@ -395,6 +476,11 @@ class OuterState(Mapping):
         return sum(len(group["params"]) for group in self.diloco.param_groups)
 
 
+def anchor_bits(f: Fragment) -> int:
+    """A digest of the fragment's anchors' bits: replicas that are bitwise alike agree on it."""
+    return int(sum(int(a.detach().view(torch.int32).sum(dtype=torch.int64)) for a in f.anchors) % (1 << 62))
+
+
 def own_group(unit, timeout: timedelta) -> dist.ProcessGroup:
     """A process group of the ranks this rank's replica group shards its model over (a group of
     one rank included): every rank of the job learns every replica group's and makes them all,
@@ -415,7 +501,7 @@ def own_group(unit, timeout: timedelta) -> dist.ProcessGroup:
 
 def step_of(value: Any) -> int:
     """A saved "diloco_step": a whole number of inner steps, else a FullShardError (before anything loads)."""
-    number = float(value) if isinstance(value, (int, float, torch.Tensor)) and torch.tensor(value).numel() == 1 \
+    number = float(value) if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1) \
         else float("nan")
     require(number == number and 0 <= number < 2**62 and number == int(number), f"DiLoCo's saved diloco_step is "
             f"{value!r}, not a count of inner steps", "Load a state dict or checkpoint that DiLoCo saved.")

@@ -419,7 +419,7 @@ def cost(c: Candidate, units: list[UnitShape], *, world: int, acts: int, optimiz
     c.collectives = (sum(gathers) + len(units) if F > 1 else 0) + (len(units) if R > 1 else 0)
     if c.sync_every:  # DiLoCo (docs/diloco.md): an all-gather of the fp32 outer gradients every H steps,
         # its anchors and outer momentum (fp32, as the shards) beside the model
-        c.sent_cross = (R - 1) * (24 + 4 * sum(shard)) // c.sync_every
+        c.sent_cross = (R - 1) * (40 + 4 * sum(shard)) // c.sync_every  # a 40-byte header a sync
         c.collectives -= len(units)
         outer = 2 * S
         if hardware.device == "cpu":

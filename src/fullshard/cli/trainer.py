@@ -252,7 +252,7 @@ def shard(model: torch.nn.Module, cfg: TrainConfig, world: int, rank: int, devic
 def own_checkpoint(run: Run, ckpt: Path) -> Path:
     """Where this rank's checkpoint goes: `ckpt`, or with --sync-every its replica group's own
     directory in it (Note [replica checkpoints] in fullshard/checkpoint/store.py)."""
-    return ckpt / f"replica_{dist.get_rank(run.optimizer.group)}" if run.cfg.sync_every else ckpt
+    return ckpt / f"replica_{dist.get_rank(run.optimizer.replicas.group)}" if run.cfg.sync_every else ckpt
 
 
 def resume(run: Run, ckpt: Path) -> int:

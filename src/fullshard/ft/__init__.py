@@ -8,12 +8,14 @@ and `attach(manager, model, optimizer)` (the cross-replica all-reduce as the uni
 hook, the shards as the state a joining group heals from).
 
 Files, each importing only those before it: `network` (the version pin, addresses, listeners
-on them), `transport` (the heal: a checked JSON header, raw bytes), `manager` (Manager, attach).
+on them), `transport` (the heal: a checked JSON header, raw bytes), `manager` (Manager, attach),
+`diloco` (ManagedReplicas: fullshard.DiLoCo's syncs on the Manager, Note [managed syncs]).
 """
 
 from fullshard.ft.network import Lighthouse, ProcessGroupGloo, check_torchft, replica_env, replica_store
 from fullshard.ft.transport import HealTransport
 from fullshard.ft.manager import Manager, attach
+from fullshard.ft.diloco import ManagedReplicas
 
-__all__ = ["HealTransport", "Lighthouse", "Manager", "ProcessGroupGloo", "attach", "check_torchft", "replica_env",
-           "replica_store"]
+__all__ = ["HealTransport", "Lighthouse", "ManagedReplicas", "Manager", "ProcessGroupGloo", "attach", "check_torchft",
+           "replica_env", "replica_store"]

@@ -38,6 +38,9 @@ from typing import Any
 import torch
 import torchft.manager
 from torch import nn
+from torch.distributed.distributed_c10d import AllgatherOptions
+from torchft.manager import _ManagedWork
+from torchft.work import _DummyWork
 
 from fullshard.errors import FullShardError, fail, require
 from fullshard.ft.network import ProcessGroupGloo, host_of, url_host
@@ -88,9 +91,7 @@ class Manager(torchft.manager.Manager):
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """torchft's, after the quorum (Note [heal timing]); a FullShardError of the heal is raised."""
         self.wait_quorum()
-        final = self.errored()
-        if final is not None and isinstance(final.original_exception, FullShardError):
-            raise final.original_exception
+        self.raise_refusal()
         try:
             return super().should_commit(timeout)
         except RuntimeError as e:
@@ -100,6 +101,40 @@ class Manager(torchft.manager.Manager):
                        f"{self._max_retries}): the replica groups cannot form a working quorum",
                        "See the groups' logs for why (a group that dies at every step, a lighthouse that is gone); "
                        "restart the run (fullshard.load resumes from the last checkpoint).") from None
+
+
+    def raise_refusal(self) -> None:
+        """A FullShardError that ended this step's heal (a refusal, a wrong attach): retrying cannot change it."""
+        final = self.errored()
+        if final is not None and isinstance(final.original_exception, FullShardError):
+            raise final.original_exception
+
+    def heal_now(self) -> None:
+        """Load what this quorum's heal received, in the calling thread, before the step's
+        collectives rather than in should_commit (a DiLoCo sync: Note [managed syncs])."""
+        self.wait_quorum()
+        if self._healing:
+            self._apply_pending_state_dict()
+            self._healing = False
+        self.raise_refusal()
+
+    def all_gather(self, rows: torch.Tensor, row: torch.Tensor):
+        """`row` of every replica group of the quorum into `rows`, in their order in it; a failure
+        is the Manager's error, as torchft's allreduce's is (the step then does not commit)."""
+        if self.errored():
+            return _DummyWork(rows)
+        self.wait_quorum()
+        try:
+            work = self._pg.allgather_into_tensor_coalesced([rows], [row], AllgatherOptions())
+        except Exception as e:
+            self.report_error(e)
+            return _DummyWork(rows)
+        return _ManagedWork(self, work, rows)
+
+    def replica_count(self) -> int:
+        """How many replica groups this quorum's process group holds (a healing one included)."""
+        self.wait_quorum()
+        return self._pg.size()
 
 
 SERVER = torchft.manager.ManagerServer
@@ -154,14 +189,8 @@ def attach(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer 
     first step; the loop is then torchft's: ``optimizer = torchft.optim.OptimizerWrapper(manager,
     optimizer)``, ``optimizer.zero_grad()`` (the quorum), forward, backward, ``optimizer.step()``
     (steps only if every replica group's step commits)."""
-    require(isinstance(manager, Manager), f"attach needs a fullshard.ft.Manager, got {type(manager).__name__}",
-            "Build it with fullshard.ft.Manager(...), which listens on your address and heals over "
-            "fullshard's transport.")
-    transport = manager._checkpoint_transport
-    require(isinstance(transport, HealTransport), "the Manager heals over another checkpoint transport",
-            "Leave checkpoint_transport out: fullshard.ft.Manager heals over HealTransport.")
     units = units_of(model, "fault tolerance")
-    transport.attach(model, optimizer)
+    heal_from(manager, model, optimizer)
 
     def all_reduce(row: torch.Tensor) -> Averaging:
         """The average over the participating replica groups, waited for at the end of backward
@@ -170,6 +199,21 @@ def attach(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer 
 
     for unit in units:
         unit.module.set_all_reduce_hook(all_reduce)
+
+
+def heal_from(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Let a joining group heal from this one's shards and `optimizer`'s state, once per Manager."""
+    require(isinstance(manager, Manager), f"fault tolerance needs a fullshard.ft.Manager, got "
+            f"{type(manager).__name__}", "Build it with fullshard.ft.Manager(...), which listens on your address "
+            "and heals over fullshard's transport.")
+    transport = manager._checkpoint_transport
+    require(isinstance(transport, HealTransport), "the Manager heals over another checkpoint transport",
+            "Leave checkpoint_transport out: fullshard.ft.Manager heals over HealTransport.")
+    require("fullshard" not in manager._load_state_dict_fns, "this Manager already carries a model: ft.attach and "
+            "fullshard.ft.ManagedReplicas each join one model to a Manager, once",
+            "Use ft.attach for an all-reduce across groups every step, or DiLoCo(..., ManagedReplicas(manager)) "
+            "for syncs every H steps, not both.")
+    transport.attach(model, optimizer)
 
     def load(healed: Healed) -> None:
         if optimizer is not None:

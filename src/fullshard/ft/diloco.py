@@ -1,0 +1,77 @@
+"""DiLoCo's replica groups on torchft: each sync of a fragment is a step of torchft's Manager.
+
+Note [managed syncs]: over torchft, `fullshard.DiLoCo` runs its own outer step (Note [outer
+steps] in fullshard/diloco.py) on the Manager's quorum, process group and heal:
+- a quorum is formed at each sync of a fragment, not at each inner step: the groups train
+  alone in between, and the Manager's step counts the syncs committed;
+- a group behind the quorum (restarted, or one whose last sync did not commit) heals at once,
+  before the sync's all-gather: the live group's shards, inner optimizer state, anchors, outer
+  state and inner step replace its own (its inner steps since it started are dropped). It
+  then sends zeros marked as not taking part, and takes the outer step the others take:
+  afterwards it is bitwise equal to them. The state is read in torchft's quorum thread while
+  the live group waits for that quorum, so nothing changes under it; this is why a sync is
+  finished before the next inner step (no overlap over torchft);
+- the outer gradients travel as one all-gather over the Manager's process group, averaged
+  over the groups that take part (the quorum's participants, logged as `participants`);
+- a group lost mid-sync makes the all-gather fail: the Manager's error, so this group's step
+  does not commit, nothing is applied (parameters, anchors and outer state are as they were
+  before the sync), and the sync is redone in a new quorum without the lost group, at most
+  `max_retries` times in a row. A group whose sync committed while another's did not is
+  further on; the other heals from it at the next quorum;
+- every group must start with `init_sync=False` (torchft's default makes the groups at step
+  0 copy one group's parameters and leave it alone in the first average) and reach each sync
+  within the Manager's `quorum_timeout` of the others: two groups form no quorum while one of
+  them is alive and not asking, and with three or more a group later than the lighthouse's
+  `join_timeout_ms` is left out of that sync and heals at the next.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+from fullshard.diloco import Replicas
+from fullshard.errors import require
+from fullshard.ft.manager import Manager, heal_from
+
+
+class ManagedReplicas(Replicas):
+    """The replica groups of torchft's quorum, for fullshard.DiLoCo: ``DiLoCo(model, inner,
+    ManagedReplicas(manager), sync_every=H)`` on every rank of every group (Note [managed syncs])."""
+
+    managed = True
+
+    def __init__(self, manager: Manager) -> None:
+        require(isinstance(manager, Manager), f"ManagedReplicas needs a fullshard.ft.Manager, got "
+                f"{type(manager).__name__}", "Build it with fullshard.ft.Manager(...).")
+        require(not manager._init_sync, "DiLoCo over torchft needs a Manager built with init_sync=False: torchft's "
+                "init_sync makes every group at step 0 copy one group's parameters, leaving it alone in the first "
+                "average", "Pass init_sync=False to fullshard.ft.Manager, and seed every group alike.")
+        self.manager = manager
+
+    def bind(self, model: nn.Module, diloco: torch.optim.Optimizer) -> None:
+        """A joining group heals from this one's model and DiLoCo's state (anchors, outer state, step)."""
+        heal_from(self.manager, model, diloco)
+
+    def size(self) -> int:
+        return self.manager.replica_count()
+
+    def begin(self) -> bool:
+        self.manager.start_quorum()
+        self.manager.wait_quorum()
+        taking_part = self.manager.is_participating()  # False while this group heals
+        self.manager.heal_now()
+        return taking_part
+
+    def all_gather(self, rows: torch.Tensor, sent: torch.Tensor) -> list:
+        return [self.manager.all_gather(rows, sent)]
+
+    def wait(self, works: list, what: str, timeout: timedelta, device: torch.device) -> bool:
+        for work in works:
+            work.wait()
+        return self.manager.errored() is None
+
+    def commit(self) -> bool:
+        return self.manager.should_commit()
