@@ -7,6 +7,7 @@ After each inner step a rank reports a row: the inner step, whether a sync commi
 inner step jumped), and a digest of each fragment's parameters. A rank can be told to SIGKILL
 itself in the forward of an inner step, or inside the all-gather of a sync; to hold before an
 inner step until the test releases it; and to report DiLoCo's state before each try of a sync.
+Every rank reports "ready" once DiLoCo is built and takes its first step once the test says go.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def diloco_rank(cfg: dict[str, Any], reports: mp.Queue) -> None:
         diloco.replicas.begin, manager.all_gather = traced_begin, killing_gather
         model[1].register_forward_pre_hook(lambda *_: kill_here(cfg) if kill and kill["where"] == "forward" and
                                            diloco.steps + 1 == kill["at"] else None)
+        reports.put(("ready", replica, rank, None))
+        while not cfg["go"].value:  # every group is up before any takes a step: the first sync takes them all
+            time.sleep(0.02)
         while diloco.steps < min(cfg["steps"], cfg["stop"].value):
             while cfg.get("hold_at") == diloco.steps and not cfg["gate"].value:
                 time.sleep(0.02)  # the test restarts another group meanwhile

@@ -273,6 +273,7 @@ class Replicas:
         self.release = ctx.Value("b", 0, lock=False)  # 1: finished ranks exit
         self.killed_at = ctx.Value("d", 0.0, lock=False)  # time.time() of the last kill
         self.gate = ctx.Value("b", 0, lock=False)  # 1: a rank told to hold at a step goes on
+        self.go = ctx.Value("b", 0, lock=False)  # 1: a DiLoCo rank takes its first step (after every group is ready)
         self.rows: dict[tuple[int, int], list] = {}
         self.finished: set[tuple[int, int]] = set()
         self.errors: dict[tuple[int, int], str] = {}
@@ -300,7 +301,7 @@ class Replicas:
                    "bind": self.options.get("binds", {}).get(replica, self.bind), "store_port": port,
                    "lighthouse": self.address,
                    "steps": self.steps, "iterations": 4 * self.steps, "stop": self.stop, "release": self.release,
-                   "killed_at": self.killed_at, "gate": self.gate,
+                   "killed_at": self.killed_at, "gate": self.gate, "go": self.go,
                    **self.options, **only,
                    "kill": kill if rank == kill_rank else None}
             self.queues.append(self.ctx.Queue())

@@ -437,7 +437,6 @@ def test_train_with_sync_every_trains_replica_groups_that_sync_and_resumes(tmp_p
      "--fragments 3 take turns within --sync-every 2 steps"),
     (["--replicas", "2", "--sync-every", "8", "--fragments", "4", "--preset", "tiny"],
      "--fragments 4: the model has 3 units"),
-    (["--replicas", "2", "--sync-every", "4", "--fault-tolerant"], "--sync-every does not take --fault-tolerant"),
     (["--replicas", "2", "--sync-every", "4", "--strategy", "hybrid_shard"],
      "--sync-every does not take --strategy hybrid_shard"),
 ])

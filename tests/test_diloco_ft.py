@@ -18,6 +18,13 @@ def syncs(rows: list[dict]) -> dict[int, dict]:
     return {row["step"]: row for row in rows if row["synced"]}
 
 
+def go(replicas: Replicas, ranks: set[tuple[int, int]]) -> None:
+    """Once every rank of `ranks` is ready, all take their first step (under load a group started
+    first would otherwise take its first syncs alone)."""
+    replicas.wait_until(lambda: ranks <= set(replicas.other.get("ready", {})), f"ranks {sorted(ranks)} ready")
+    replicas.go.value = 1
+
+
 def test_diloco_over_torchft_trains_like_the_simulation_and_refuses_what_it_cannot_do():
     """2 groups of 2 shards, H = 3, 2 fragments, 9 inner steps of AdamW: every sync commits with
     both groups, the synced fragment is bitwise alike in both right after it, and the parameters
@@ -27,6 +34,7 @@ def test_diloco_over_torchft_trains_like_the_simulation_and_refuses_what_it_cann
     replicas = Replicas(replicas=2, group_size=2, steps=9, target=diloco_rank, sync_every=3, fragments=2,
                         refusals=True)
     try:
+        go(replicas, {(g, k) for g in range(2) for k in range(2)})
         got = replicas.results({(g, k) for g in range(2) for k in range(2)}, deadline_s=60)
         finals, refused = replicas.other["final"], replicas.other["refused"]
     finally:
@@ -58,6 +66,7 @@ def test_a_group_lost_between_syncs_is_left_out_then_heals_and_rejoins_at_a_sync
     try:
         replicas.start(0, hold_at=7)  # after its lone sync, until group 1 is back
         replicas.start(1, kill={"where": "forward", "at": 5})
+        go(replicas, {(0, 0), (1, 0)})
         replicas.wait_until(lambda: any(row["step"] == 6 for row in replicas.rows.get((0, 0), [])),
                             "group 0's sync at 6, alone")
         replicas.start(1)
@@ -85,6 +94,7 @@ def test_a_group_lost_inside_a_sync_changes_nothing_and_the_sync_is_redone_witho
     try:
         replicas.start(0)
         replicas.start(1, kill={"where": "sync", "at": 6})
+        go(replicas, {(0, 0), (1, 0)})
         got = replicas.results({(0, 0)}, deadline_s=60)
     finally:
         replicas.close()

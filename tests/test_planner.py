@@ -329,7 +329,7 @@ def test_sync_every_prices_diloco_and_a_slow_link_chooses_it():
                 (x.wrap, x.strategy, x.limit_all_gathers, x.precision, x.checkpointing, x.gather) ==
                 (c.wrap, c.strategy, c.limit_all_gathers, c.precision, c.checkpointing, c.gather))
     shard_values = same.memory["shards"] // 4  # fp32 masters, a rank's shard of each unit
-    assert c.sent_cross == (2 - 1) * (24 + 4 * shard_values) // 50
+    assert c.sent_cross == (2 - 1) * (fullshard.diloco.HEADER + 4 * shard_values) // 50
     assert c.host == same.host + 2 * same.memory["shards"] and c.step_s * 1.25 <= same.step_s
     assert not fullshard.plan(model, world_size=16, memory_budget=1e15, batch=4, seq=128, hardware=fast,
                               sync_every=50).chosen.sync_every

@@ -162,7 +162,7 @@ class Replicas:
         """Ready for a sync; whether this replica's outer gradient takes part in it."""
         return True
 
-    def all_gather(self, rows: torch.Tensor, sent: torch.Tensor) -> list:
+    def exchange(self, rows: torch.Tensor, sent: torch.Tensor) -> list:
         return [_all_gather_single(rows, sent, group=self.group, async_op=True)]
 
     def wait(self, works: list, what: str, timeout: timedelta, device: torch.device) -> bool:
@@ -343,7 +343,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.bytes_sent += (count - 1) * sent.numel()
         f.counts["all_reduces"] += 1
         f.counts["all_reduce_bytes"] += (count - 1) * sent.numel()
-        works = self.replicas.all_gather(rows, sent)
+        works = self.replicas.exchange(rows, sent)
         return InFlight(f, launched(works, reads=[sent], writes=[rows]), rows.view(count, -1), self.steps, anchors,
                         sent)
 

@@ -150,8 +150,7 @@ def diloco_problem(cfg: TrainConfig) -> str | None:
         return f"--fragments {cfg.fragments}: the model has {units} units (--wrap {cfg.wrap})"
     if cfg.fragments > cfg.sync_every:
         return f"--fragments {cfg.fragments} take turns within --sync-every {cfg.sync_every} steps, one a step at most"
-    for name, value, why in (("fault_tolerant", True, "DiLoCo over torchft is not built yet (docs/diloco.md)"),
-                             ("strategy", "hybrid_shard", "the replica groups are the replicas; shard inside each "
+    for name, value, why in (("strategy", "hybrid_shard", "the replica groups are the replicas; shard inside each "
                                                           "with full_shard"),
                              ("precision", "fp16", "the loss scaler's skipped steps would differ by group; use bf16"),
                              ("plan", "auto", "the planner does not price DiLoCo yet"),

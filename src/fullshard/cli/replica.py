@@ -1,6 +1,7 @@
 """One rank of one replica group of `fullshard train --fault-tolerant`, top-down: join the
 group, build and shard the GPT, join torchft's quorum through fullshard.ft, resume, train
-until --steps steps have committed, report (Note [replica groups] in launcher.py).
+until --steps steps have committed (with --sync-every: DiLoCo's loop, replica_diloco.py),
+report (Note [replica groups] in launcher.py).
 
 Note [replica rows]: each committed step is logged once, by rank 0 of the group in place 0 of
 that step's quorum (a healing group takes no place), with the step's participants; the groups
@@ -33,8 +34,10 @@ import fullshard
 from fullshard import ft
 from fullshard.cli.config import TrainConfig, gpt_dims
 from fullshard.cli.launcher import REJOINING, REPLICA
+from fullshard.cli.replica_diloco import diloco_loop
 from fullshard.cli.run_log import append_log
-from fullshard.cli.trainer import Run, build, evaluate, join_job, report, sample, share, start_rank, train_step
+from fullshard.cli.trainer import (Run, build, diloco, diloco_setting, evaluate, join_job, report, sample, share,
+                                   start_rank, train_step)
 
 
 def train_replica(cfg: TrainConfig) -> int:
@@ -47,9 +50,10 @@ def train_replica(cfg: TrainConfig) -> int:
     ckpt = out / "checkpoint" / f"replica_{group}"
     resume(run, manager, ckpt)
     if rank == 0 and group == 0:
-        print(description + f"; {cfg.replicas} replica groups of {world} ranks, fault tolerant (torchft)", flush=True)
+        print(description + f"; {cfg.replicas} replica groups of {world} ranks, fault tolerant (torchft)" +
+              (f"; DiLoCo {diloco_setting(cfg)}" if cfg.sync_every else ""), flush=True)
     log = append_log(out) if rank == 0 else None
-    logged = train_loop(run, manager, log, ckpt)
+    logged = (diloco_loop(run, manager, log, ckpt, group) if cfg.sync_every else train_loop(run, manager, log, ckpt))
     text = sample(run)
     share(torch.zeros(1, device=device), timeout=run.timeout, what="the barrier at the end of the run")
     manager.shutdown(wait=False)
@@ -63,7 +67,7 @@ def train_replica(cfg: TrainConfig) -> int:
 
 def join_quorum(run: Run, group: int) -> ft.Manager:
     """This group's TCPStore (served by its rank 0 on --ft-bind) and torchft Manager, the model
-    and optimizer attached."""
+    and optimizer attached (with --sync-every: the optimizer wrapped in DiLoCo on the Manager)."""
     cfg, timeout = run.cfg, run.timeout
     store = ft.replica_store(cfg.ft_bind, 0, is_master=True, timeout=timeout) if run.rank == 0 else None
     port = torch.tensor([store.port if store is not None else 0], device=run.device)
@@ -72,20 +76,27 @@ def join_quorum(run: Run, group: int) -> ft.Manager:
         store = ft.replica_store(cfg.ft_bind, port, is_master=False, timeout=timeout)
     manager = ft.Manager(bind=cfg.ft_bind, replica_id=f"replica_{group}", lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
                          rank=run.rank, world_size=run.world, store_addr=cfg.ft_bind, store_port=port, timeout=timeout,
-                         quorum_timeout=timeout, connect_timeout=timeout)
+                         quorum_timeout=timeout, connect_timeout=timeout, init_sync=not cfg.sync_every)
     manager.replica_store = store  # the group's rank 0 serves it for the Manager's life
-    ft.attach(manager, run.model, run.optimizer)
+    if cfg.sync_every:
+        run.optimizer = diloco(run.model, run.optimizer, cfg, ft.ManagedReplicas(manager))
+    else:
+        ft.attach(manager, run.model, run.optimizer)
     return manager
 
 
 def resume(run: Run, manager: ft.Manager, ckpt: Path) -> None:
-    """This group's newest checkpoint, if any (--resume): its step becomes torchft's. A live group
-    further on heals this one at the first quorum anyway."""
-    if not (run.cfg.resume and (ckpt / "LATEST").is_file()):
+    """This group's newest checkpoint, if any (--resume): its step becomes torchft's (with
+    --sync-every: the syncs it had committed). A live group further on heals this one at the
+    first quorum anyway; under DiLoCo a group restarted while another lives starts from nothing,
+    so that it is behind and heals at its first sync (Note [diloco rows] in replica_diloco.py)."""
+    rejoining = os.environ.get(REJOINING) == "1" and run.cfg.sync_every
+    if rejoining or not (run.cfg.resume and (ckpt / "LATEST").is_file()):
         return
     info = fullshard.load(ckpt, run.model, run.optimizer)
-    committed = info["extra"].get("batches_committed", 0) if isinstance(info["extra"], dict) else 0
-    manager.load_state_dict({"step": info["step"], "batches_committed": committed})
+    extra = info["extra"] if isinstance(info["extra"], dict) else {}
+    manager.load_state_dict({"step": extra.get("syncs", info["step"]),
+                             "batches_committed": extra.get("batches_committed", 0)})
 
 
 def train_loop(run: Run, manager: ft.Manager, log, ckpt: Path) -> bool:

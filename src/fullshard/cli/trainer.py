@@ -154,6 +154,7 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
     dims = gpt_dims(cfg)
     held = len(train_bytes) + len(val_bytes)
     pipe = None
+    in_job = cfg.sync_every and not cfg.fault_tolerant  # DiLoCo's groups in this job (torchft: one each)
     if cfg.pp > 1:  # this rank's stage, the model it shards (its untied head: GPTStage)
         settings = []
         pipe = pipeline.build(cfg, dims, device, world, lambda stage, mesh: settings.append(
@@ -166,22 +167,16 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
             model = GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
         n_params = sum(p.numel() for p in model.parameters())
         mesh = init_device_mesh(device.type, (cfg.replicas, world // cfg.replicas),
-                                mesh_dim_names=("replicate", "shard")) if cfg.sync_every else None
+                                mesh_dim_names=("replicate", "shard")) if in_job else None
         setting = shard(model, cfg, world, rank, device, held, None if mesh is None else mesh["shard"])
     model.set_timeout(cfg.timeout)
     model.set_debug_checks(cfg.debug_checks)
     model.set_nonfinite_grads(nonfinite_policy(cfg))
     optimizer = make_optimizer(model, cfg)
-    if cfg.sync_every:  # docs/diloco.md
-        optimizer = fullshard.DiLoCo(
-            model, optimizer, mesh["replicate"], sync_every=cfg.sync_every, fragments=cfg.fragments,
-            outer_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                                           nesterov=cfg.outer_momentum > 0),
-            outer_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[cfg.outer_dtype],
-            overlap=cfg.fragments > 1, timeout=cfg.timeout)
-        setting += (f"; DiLoCo: {cfg.replicas} replica groups of {world // cfg.replicas} rank(s), syncing every "
-                    f"{cfg.sync_every} steps" + (f" in {cfg.fragments} fragments" if cfg.fragments > 1 else "") +
-                    f", outer gradients in {cfg.outer_dtype}; a checkpoint per replica group")
+    if in_job:  # docs/diloco.md (over torchft: replica.py wraps it once the Manager is there)
+        optimizer = diloco(model, optimizer, cfg, mesh["replicate"])
+        setting += (f"; DiLoCo: {cfg.replicas} replica groups of {world // cfg.replicas} rank(s), " +
+                    diloco_setting(cfg))
     run = Run(cfg, rank, world, device, model, optimizer,
               scaler=fullshard.GradScaler(device.type) if cfg.precision == "fp16" else None,
               train_data=torch.frombuffer(train_bytes, dtype=torch.uint8),
@@ -190,6 +185,22 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
                    f"{world} ranks ({device.type}), {setting}; data: {source}, {len(train_bytes) / 1e6:.1f} MB "
                    f"train / {len(val_bytes) / 1e6:.1f} MB validation")
     return run, description
+
+
+def diloco(model: torch.nn.Module, inner: torch.optim.Optimizer, cfg: TrainConfig, replicas) -> fullshard.DiLoCo:
+    """DiLoCo over `replicas` with the outer options; with fragments each exchange overlaps the
+    next step, except over torchft (Note [managed syncs])."""
+    return fullshard.DiLoCo(
+        model, inner, replicas, sync_every=cfg.sync_every, fragments=cfg.fragments,
+        outer_optimizer=lambda params: torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                                       nesterov=cfg.outer_momentum > 0),
+        outer_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[cfg.outer_dtype],
+        overlap=cfg.fragments > 1 and not cfg.fault_tolerant, timeout=cfg.timeout)
+
+
+def diloco_setting(cfg: TrainConfig) -> str:
+    return (f"syncing every {cfg.sync_every} steps" + (f" in {cfg.fragments} fragments" if cfg.fragments > 1 else "")
+            + f", outer gradients in {cfg.outer_dtype}; a checkpoint per replica group")
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -315,12 +326,12 @@ def train_loop(run: Run, start: int, log: TextIO | None, ckpt: Path) -> None:
         progress.close()
 
 
-def train_step(run: Run, step: int, comm_stats, manager=None) -> dict:
-    """One optimizer step on the global batch of `step`; its metrics row. With a replica group's
-    fullshard.ft `manager`: on the group's part of it (its place in the quorum, of --replicas),
-    the optimizer stepping only if the step commits."""
+def train_step(run: Run, step: int, comm_stats, manager=None, part: tuple[int, int] = (0, 1)) -> dict:
+    """One optimizer step on the global batch of `step`, or on `part` of it (its place, of how
+    many); its metrics row. With a replica group's fullshard.ft `manager`: on the group's part
+    (its place in the quorum, of --replicas), the optimizer stepping only if the step commits."""
     cfg, model = run.cfg, run.model
-    place, parts = (0, 1) if manager is None else (manager.participating_rank() or 0, cfg.replicas)
+    place, parts = part if manager is None else (manager.participating_rank() or 0, cfg.replicas)
     begin = time.perf_counter()
     lr = lr_at(step, cfg)
     for group in run.optimizer.param_groups:

@@ -53,7 +53,7 @@ class ManagedReplicas(Replicas):
 
     def bind(self, model: nn.Module, diloco: torch.optim.Optimizer) -> None:
         """A joining group heals from this one's model and DiLoCo's state (anchors, outer state, step)."""
-        heal_from(self.manager, model, diloco)
+        heal_from(self.manager, model, diloco, "ManagedReplicas")
 
     def size(self) -> int:
         return self.manager.replica_count()
@@ -65,7 +65,7 @@ class ManagedReplicas(Replicas):
         self.manager.heal_now()
         return taking_part
 
-    def all_gather(self, rows: torch.Tensor, sent: torch.Tensor) -> list:
+    def exchange(self, rows: torch.Tensor, sent: torch.Tensor) -> list:
         return [self.manager.all_gather(rows, sent)]
 
     def wait(self, works: list, what: str, timeout: timedelta, device: torch.device) -> bool:

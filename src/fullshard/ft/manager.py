@@ -189,8 +189,8 @@ def attach(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer 
     first step; the loop is then torchft's: ``optimizer = torchft.optim.OptimizerWrapper(manager,
     optimizer)``, ``optimizer.zero_grad()`` (the quorum), forward, backward, ``optimizer.step()``
     (steps only if every replica group's step commits)."""
+    heal_from(manager, model, optimizer, "attach")
     units = units_of(model, "fault tolerance")
-    heal_from(manager, model, optimizer)
 
     def all_reduce(row: torch.Tensor) -> Averaging:
         """The average over the participating replica groups, waited for at the end of backward
@@ -201,9 +201,9 @@ def attach(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer 
         unit.module.set_all_reduce_hook(all_reduce)
 
 
-def heal_from(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def heal_from(manager: Manager, model: nn.Module, optimizer: torch.optim.Optimizer | None, what: str) -> None:
     """Let a joining group heal from this one's shards and `optimizer`'s state, once per Manager."""
-    require(isinstance(manager, Manager), f"fault tolerance needs a fullshard.ft.Manager, got "
+    require(isinstance(manager, Manager), f"{what} needs a fullshard.ft.Manager, got "
             f"{type(manager).__name__}", "Build it with fullshard.ft.Manager(...), which listens on your address "
             "and heals over fullshard's transport.")
     transport = manager._checkpoint_transport
