@@ -280,6 +280,33 @@ def test_a_resumed_diloco_trains_on_bit_for_bit(world4, tmp_path):
         assert "replica groups save to one path" in got["refused"], got["refused"]
 
 
+def reshard_job(tmp: str) -> dict:
+    """resume_job's checkpoints of 2 replica groups of 2 shards (step 4, a sync in flight), each
+    loaded into a group of 1 shard, then inner steps 5 to 8: the final parameters."""
+    mesh = named_mesh((2, 1), ("replicate", "shard"))
+    replica = mesh.get_local_rank(0)
+    model = sharded(mesh["shard"])
+    diloco = fullshard.DiLoCo(model, inner_optimizer(model, "adamw"), mesh["replicate"], sync_every=3,
+                              fragments=2, overlap=True)
+    step = fullshard.load(f"{tmp}/replica_{replica}", model, diloco)["step"]
+    for step in range(step + 1, 9):
+        inner_step(model, replica, step, 0, 1)
+        diloco.step()
+        diloco.zero_grad()
+    diloco.finish()
+    return full_state(model)
+
+
+def test_a_diloco_checkpoint_loads_at_another_shard_group_size(world4, world2, tmp_path):
+    """Each replica group's checkpoint of 2 shards, saved with a sync in flight, loaded by groups
+    of 1 shard: the anchors, the outer momentum and the average in flight are resharded with the
+    parameters, and the run goes on as the uninterrupted 2-shard run, within AdamW's parity
+    tolerance (one shard sums its gradients in another order than two)."""
+    saved = world4.run(resume_job, tmp=str(tmp_path))  # ranks 0, 1: replica 0; 2, 3: replica 1
+    for replica, got in enumerate(world2.run(reshard_job, tmp=str(tmp_path))):
+        assert max_diff(got, saved[2 * replica]["straight"]) <= ADAMW_TOL
+
+
 def bad_job(case: str) -> str:
     """DiLoCo given `case`'s bad input on every rank (or on replica 1's ranks): the error."""
     mesh = named_mesh((2, 2), ("replicate", "shard"))
