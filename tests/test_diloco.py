@@ -221,6 +221,12 @@ def clone_state(value):
     return value
 
 
+def schedule(diloco: fullshard.DiLoCo, step: int) -> None:
+    """A learning-rate schedule, as a scheduler sets it: it must reach the inner optimizer after a load too."""
+    for group in diloco.param_groups:
+        group["lr"] = INNER_LR * (1 + step / 8)
+
+
 def resume_job(tmp: str) -> dict:
     """8 inner steps straight, and 4, then the state dicts of the model and DiLoCo (a sync in
     flight, with overlap), or each replica group's checkpoint, loaded into a model and DiLoCo
@@ -237,6 +243,7 @@ def resume_job(tmp: str) -> dict:
 
     def train(model, diloco, steps):
         for step in steps:
+            schedule(diloco, step)
             inner_step(model, replica, step, shard, 2)
             diloco.step()
             diloco.zero_grad()
@@ -272,8 +279,9 @@ def resume_job(tmp: str) -> dict:
 def test_a_resumed_diloco_trains_on_bit_for_bit(world4, tmp_path):
     """Its state dict holds the anchors, the outer momentum, the average of a sync in flight and
     the step: a resume between syncs, an exchange in flight, from the state dicts or from each
-    replica group's own checkpoint (Note [replica checkpoints]), is bitwise the uninterrupted
-    run; two groups saving to one path are refused by name."""
+    replica group's own checkpoint (Note [replica checkpoints]), under a learning-rate schedule
+    (set on DiLoCo's param_groups, which must stay the inner optimizer's after a load), is
+    bitwise the uninterrupted run; two groups saving to one path are refused by name."""
     for got in world4.run(resume_job, tmp=str(tmp_path)):
         for way, resumed in got["resumed"].items():
             assert all(torch.equal(got["straight"][k], resumed[k]) for k in got["straight"]), way
@@ -290,6 +298,7 @@ def reshard_job(tmp: str) -> dict:
                               fragments=2, overlap=True)
     step = fullshard.load(f"{tmp}/replica_{replica}", model, diloco)["step"]
     for step in range(step + 1, 9):
+        schedule(diloco, step)
         inner_step(model, replica, step, 0, 1)
         diloco.step()
         diloco.zero_grad()

@@ -429,6 +429,7 @@ class DiLoCo(torch.optim.Optimizer):
             if "diloco_step" in mine:
                 steps = step_of(mine["diloco_step"])
         self.inner.load_state_dict({"state": inner_state, "param_groups": state_dict["param_groups"]})
+        self.param_groups = self.inner.param_groups  # torch's load made new groups: a scheduler changes those
         self.pending = []  # what the state holds replaces what was received
         flat = [a for f in self.fragments for a in f.anchors]
         for position, value in anchors.items():
