@@ -20,9 +20,10 @@ steps] in fullshard/diloco.py) on the Manager's quorum, process group and heal:
   further on; the other heals from it at the next quorum;
 - every group must start with `init_sync=False` (torchft's default makes the groups at step
   0 copy one group's parameters and leave it alone in the first average) and reach each sync
-  within the Manager's `quorum_timeout` of the others: two groups form no quorum while one of
-  them is alive and not asking, and with three or more a group later than the lighthouse's
-  `join_timeout_ms` is left out of that sync and heals at the next.
+  within the Manager's `quorum_timeout` of the others. torchft's lighthouse forms a quorum at
+  once when every group of the last quorum asks; otherwise, of two heartbeating groups one alone
+  forms none, and with three or more a group later than its `join_timeout_ms` is left out of
+  that sync and heals at a later one.
 """
 
 from __future__ import annotations
