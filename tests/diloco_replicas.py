@@ -82,9 +82,9 @@ def diloco_rank(cfg: dict[str, Any], reports: mp.Queue) -> None:
         kill, tries = cfg.get("kill"), []  # kill: {"where": "forward" | "sync", "at": inner step}
         begin, gather = diloco.replicas.begin, manager.all_gather
 
-        def traced_begin():  # DiLoCo's whole state at the start of each try of a sync
+        def traced_begin(layout):  # DiLoCo's whole state at the start of each try of a sync
             tries.append({"step": diloco.steps, "state": state_digest(model, diloco)})
-            return begin()
+            return begin(layout)
 
         def killing_gather(*args):
             if kill and kill["where"] == "sync" and diloco.steps == kill["at"]:

@@ -114,3 +114,19 @@ def test_torchft_init_sync_is_refused():
     finally:
         replicas.close()
     assert "needs a Manager built with init_sync=False" in replicas.errors[0, 0]
+
+
+def test_groups_with_other_fragments_fail_by_name_in_each():
+    """Group 0 syncs its model whole every 3 steps, group 1 in 2 fragments every 4: their rows
+    would differ in size. The first quorum's comparison of layouts fails each group by name,
+    before any outer step."""
+    replicas = Replicas(replicas=0, steps=8, target=diloco_rank, sync_every=3)
+    try:
+        replicas.start(0)
+        replicas.start(1, sync_every=4, fragments=2)
+        go(replicas, {(0, 0), (1, 0)})
+        replicas.wait_until(lambda: len(replicas.errors) == 2, "both groups' errors")
+    finally:
+        replicas.close()
+    for said in replicas.errors.values():
+        assert "DiLoCo's replica groups hold other models, fragments or settings" in said, said

@@ -158,8 +158,9 @@ class Replicas:
         """How many rows this sync's all-gather brings."""
         return dist.get_world_size(self.group)
 
-    def begin(self) -> bool:
-        """Ready for a sync; whether this replica's outer gradient takes part in it."""
+    def begin(self, layout: int) -> bool:
+        """Ready for a sync of replicas of the `layout` digest (checked once, when DiLoCo is built);
+        whether this replica's outer gradient takes part in it."""
         return True
 
     def exchange(self, rows: torch.Tensor, sent: torch.Tensor) -> list:
@@ -254,6 +255,7 @@ class DiLoCo(torch.optim.Optimizer):
                           for f in self.fragments for name, p in zip(f.names, f.params)]
         self.described.append(["sync_every", self.sync_every, "outer_dtype", OUTER_DTYPES[self.outer_dtype],
                                "overlap", self.overlap])
+        self.layout = zlib.crc32(repr(self.described).encode())
         for f in self.fragments:
             f.digest = zlib.crc32(repr([d for d in self.described if d[0] in (f.index, "sync_every")]).encode()) \
                 & 0x7FFFFFFF
@@ -263,8 +265,7 @@ class DiLoCo(torch.optim.Optimizer):
         """Every replica holds the same fragments of the same parameters (by name, shape, dtype) and
         starts from the same values: a FullShardError on every replica otherwise."""
         described, group = self.described, self.replicas.group
-        mine = [zlib.crc32(repr(described).encode()), zlib.crc32(repr([anchor_bits(f) for f in self.fragments])
-                                                                 .encode())]
+        mine = [self.layout, zlib.crc32(repr([anchor_bits(f) for f in self.fragments]).encode())]
         try:
             everyone = all_gather_ints(mine, device=self.device, timeout=self.timeout, group=group, what=LAYOUT)
             if len({tuple(d[:1]) for d in everyone}) > 1:
@@ -320,7 +321,7 @@ class DiLoCo(torch.optim.Optimizer):
         """The sync due now over torchft (Note [managed syncs] in fullshard/ft/diloco.py): taken
         when this group's step commits; otherwise nothing changed, and it is redone in a new quorum."""
         while True:
-            taking_part = self.replicas.begin()  # a heal here replaces this replica's state by a live one's
+            taking_part = self.replicas.begin(self.layout)  # a heal here replaces this replica's state by a live one's
             due = [f for f in self.fragments if self.steps % self.sync_every == f.phase]
             require(len(due) == 1, f"DiLoCo healed to inner step {self.steps}, at which no sync is due",
                     "Give every replica group the same fragments and sync_every.")

@@ -18,6 +18,9 @@ steps] in fullshard/diloco.py) on the Manager's quorum, process group and heal:
   before the sync), and the sync is redone in a new quorum without the lost group, at most
   `max_retries` times in a row. A group whose sync committed while another's did not is
   further on; the other heals from it at the next quorum;
+- when the quorum's groups change, they first compare digests of their models' layouts and
+  DiLoCo's settings (one small all-gather): groups whose fragments differ would send rows of
+  other sizes, which no header could name. A mismatch is a FullShardError in every group;
 - every group must start with `init_sync=False` (torchft's default makes the groups at step
   0 copy one group's parameters and leave it alone in the first average) and reach each sync
   within the Manager's `quorum_timeout` of the others. torchft's lighthouse forms a quorum at
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 
 from fullshard.diloco import Replicas
-from fullshard.errors import require
+from fullshard.errors import fail, require
 from fullshard.ft.manager import Manager, heal_from
 
 
@@ -51,6 +54,7 @@ class ManagedReplicas(Replicas):
                 "init_sync makes every group at step 0 copy one group's parameters, leaving it alone in the first "
                 "average", "Pass init_sync=False to fullshard.ft.Manager, and seed every group alike.")
         self.manager = manager
+        self.checked = None  # the quorum whose groups' layouts were compared
 
     def bind(self, model: nn.Module, diloco: torch.optim.Optimizer) -> None:
         """A joining group heals from this one's model and DiLoCo's state (anchors, outer state, step)."""
@@ -59,12 +63,27 @@ class ManagedReplicas(Replicas):
     def size(self) -> int:
         return self.manager.replica_count()
 
-    def begin(self) -> bool:
+    def begin(self, layout: int) -> bool:
         self.manager.start_quorum()
         self.manager.wait_quorum()
         taking_part = self.manager.is_participating()  # False while this group heals
         self.manager.heal_now()
+        if self.manager._quorum_id != self.checked:
+            self.compare(layout)
         return taking_part
+
+    def compare(self, layout: int) -> None:
+        """Every group of a new quorum holds the same layout and settings, or a FullShardError in each."""
+        mine = torch.tensor([layout], dtype=torch.int64)
+        everyone = torch.zeros(self.manager.replica_count(), dtype=torch.int64)
+        self.manager.all_gather(everyone, mine).wait()
+        if self.manager.errored() is not None:
+            return  # the exchange fails too; the sync is redone, and compares again
+        if len(set(everyone.tolist())) > 1:
+            raise fail(f"DiLoCo's replica groups hold other models, fragments or settings (digests "
+                       f"{everyone.tolist()} in quorum order)", "Give every replica group the same model, shard it "
+                       "alike over groups of the same size, and pass the same fragments, sync_every and outer_dtype.")
+        self.checked = self.manager._quorum_id
 
     def exchange(self, rows: torch.Tensor, sent: torch.Tensor) -> list:
         return [self.manager.all_gather(rows, sent)]
