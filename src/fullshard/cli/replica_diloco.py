@@ -10,6 +10,8 @@ steps. A group that heals drops its rows, and the step it took (the live groups'
 them); a group restarted while another lives starts from nothing rather than its checkpoint,
 so that it is behind and heals at its first sync. The rows after the last sync are written by
 the group in place 0 of that sync. The validation loss is that group's own model's.
+Note [rejoining first]'s wait is not made here: a restarted group that finds itself alone at its
+first sync (the live group's heartbeat lapsed) takes that sync alone and logs its steps again.
 """
 
 from __future__ import annotations
