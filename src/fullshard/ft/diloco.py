@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from fullshard.diloco import Replicas
+from fullshard import runtime
 from fullshard.errors import fail, require
 from fullshard.ft.manager import Manager, heal_from
 
@@ -59,6 +60,7 @@ class ManagedReplicas(Replicas):
     def bind(self, model: nn.Module, diloco: torch.optim.Optimizer) -> None:
         """A joining group heals from this one's model and DiLoCo's state (anchors, outer state, step)."""
         heal_from(self.manager, model, diloco, "ManagedReplicas")
+        self.device, self.timeout = diloco.device, diloco.timeout
 
     def size(self) -> int:
         return self.manager.replica_count()
@@ -74,14 +76,15 @@ class ManagedReplicas(Replicas):
 
     def compare(self, layout: int) -> None:
         """Every group of a new quorum holds the same layout and settings, or a FullShardError in each."""
-        mine = torch.tensor([layout], dtype=torch.int64)
-        everyone = torch.zeros(self.manager.replica_count(), dtype=torch.int64)
+        mine = torch.tensor([layout], dtype=torch.int64).to(self.device)  # NCCL's rule: device tensors
+        everyone = torch.zeros(self.manager.replica_count(), dtype=torch.int64, device=self.device)
         self.manager.all_gather(everyone, mine).wait()
         if self.manager.errored() is not None:
             return  # the exchange fails too; the sync is redone, and compares again
-        if len(set(everyone.tolist())) > 1:
+        seen = runtime.active.read_on_host(everyone, timeout=self.timeout, what="DiLoCo's comparison of layouts")
+        if len(set(seen)) > 1:
             raise fail(f"DiLoCo's replica groups hold other models, fragments or settings (digests "
-                       f"{everyone.tolist()} in quorum order)", "Give every replica group the same model, shard it "
+                       f"{list(seen)} in quorum order)", "Give every replica group the same model, shard it "
                        "alike over groups of the same size, and pass the same fragments, sync_every and outer_dtype.")
         self.checked = self.manager._quorum_id
 
