@@ -36,8 +36,8 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from fullshard.diloco import Replicas
 from fullshard import runtime
+from fullshard.diloco import Replicas
 from fullshard.errors import fail, require
 from fullshard.ft.manager import Manager, heal_from
 
