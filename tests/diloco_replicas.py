@@ -5,7 +5,8 @@ that replica's batches, DiLoCo's syncs on torchft's Manager (Note [managed syncs
 After each inner step a rank reports a row: the inner step, whether a sync committed in it
 (the Manager's step rose), the participants of the last sync, whether this rank healed (its
 inner step jumped), and a digest of each fragment's parameters. A rank can be told to SIGKILL
-itself in the forward of an inner step, or inside the all-gather of a sync; to hold before an
+itself in the forward of an inner step, or inside the all-gather of a sync; to put a NaN in
+its shard before a sync; to hold before an
 inner step until the test releases it; and to report DiLoCo's state before each try of a sync.
 Every rank reports "ready" once DiLoCo is built and takes its first step once the test says go.
 """
@@ -72,7 +73,8 @@ def diloco_rank(cfg: dict[str, Any], reports: mp.Queue) -> None:
             except fullshard.FullShardError as e:
                 said.append(str(e))
         diloco = fullshard.DiLoCo(model, inner, ft.ManagedReplicas(manager), sync_every=cfg["sync_every"],
-                                  fragments=cfg.get("fragments", 1))
+                                  fragments=cfg.get("fragments", 1),
+                                  outer_dtype=getattr(torch, cfg.get("outer_dtype", "float32")))
         if cfg.get("refusals"):
             try:
                 ft.attach(manager, model, inner)
@@ -102,6 +104,9 @@ def diloco_rank(cfg: dict[str, Any], reports: mp.Queue) -> None:
                 time.sleep(0.02)  # the test restarts another group meanwhile
             before, syncs, tries[:] = diloco.steps, manager.current_step(), []
             inner_step(model, replica, diloco.steps + 1, rank, size)
+            if cfg.get("poison_at") == diloco.steps + 1:  # a NaN in this rank's shard before the sync
+                with torch.no_grad():
+                    model[0][0].weight.to_local()[0, 0] = float("nan")
             diloco.step()
             diloco.zero_grad()
             reports.put(("row", replica, rank, {

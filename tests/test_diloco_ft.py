@@ -6,6 +6,7 @@ others' state untouched until the sync is redone without it; bad set-ups refused
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.diloco_replicas import diloco_rank
@@ -130,3 +131,20 @@ def test_groups_with_other_fragments_fail_by_name_in_each():
         replicas.close()
     for said in replicas.errors.values():
         assert "DiLoCo's replica groups hold other models, fragments or settings" in said, said
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_nan_in_one_group_fails_every_group_by_name(dtype):
+    """Group 1's parameter turns NaN before the sync at 3, its outer gradient sent as float32 or
+    int8 blocks (whose scale would hide it): both groups raise naming replica 1, before any
+    outer step."""
+    replicas = Replicas(replicas=0, steps=6, target=diloco_rank, sync_every=3, outer_dtype=dtype)
+    try:
+        replicas.start(0)
+        replicas.start(1, poison_at=3)
+        go(replicas, {(0, 0), (1, 0)})
+        replicas.wait_until(lambda: len(replicas.errors) == 2, "both groups' errors")
+    finally:
+        replicas.close()
+    for said in replicas.errors.values():
+        assert "the outer gradient of replica 1 is not finite" in said, said
