@@ -151,8 +151,9 @@ def quorum_errors(manager: Manager):
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise fail(f"fault tolerance: replica group {manager._replica_id!r} got no quorum for step "
                    f"{manager.current_step()} ({type(e).__name__}: {first}): the lighthouse at {manager.lighthouse!r} is "
-                   f"gone or unreachable, or this group's rank 0 (whose Manager server asks it) died; nothing of this "
-                   f"step was committed", "Start the lighthouse again, then the replica groups: each resumes from "
+                   f"gone or unreachable, or this group's rank 0 (whose Manager server asks it) died, or the other "
+                   f"groups are alive and not asking (of two, one alone forms no quorum: one finished, or far "
+                   f"behind); nothing of this step was committed", "Start the lighthouse again, then the replica groups: each resumes from "
                    "its last checkpoint (fullshard.load, and manager.load_state_dict for torchft's step; "
                    "docs/fault-tolerance.md).") from None
 
