@@ -19,6 +19,20 @@ def syncs(rows: list[dict]) -> dict[int, dict]:
     return {row["step"]: row for row in rows if row["synced"]}
 
 
+def errors_of(first: dict, second: dict, **options) -> dict[tuple[int, int], str]:
+    """Two groups of one rank, started with `options` and each its own, taken until both failed:
+    what each said."""
+    replicas = Replicas(replicas=0, target=diloco_rank, **options)
+    try:
+        replicas.start(0, **first)
+        replicas.start(1, **second)
+        go(replicas, {(0, 0), (1, 0)})
+        replicas.wait_until(lambda: len(replicas.errors) == 2, "both groups' errors")
+    finally:
+        replicas.close()
+    return replicas.errors
+
+
 def go(replicas: Replicas, ranks: set[tuple[int, int]]) -> None:
     """Once every rank of `ranks` is ready, all take their first step (under load a group started
     first would otherwise take its first syncs alone)."""
@@ -31,13 +45,15 @@ def test_diloco_over_torchft_trains_like_the_simulation_and_refuses_what_it_cann
     both groups, the synced fragment is bitwise alike in both right after it, and the parameters
     are the one-process simulation's within AdamW's parity tolerance (as in test_diloco: shards
     sum their gradients in another order). overlap=True, and ft.attach on a model DiLoCo holds,
-    are refused on every rank before anything runs."""
+    are refused on every rank before anything runs. Every listener (the lighthouse's, each
+    group's store and Manager server, torchft's process groups) is on 127.0.0.1."""
     replicas = Replicas(replicas=2, group_size=2, steps=9, target=diloco_rank, sync_every=3, fragments=2,
                         refusals=True)
     try:
         go(replicas, {(g, k) for g in range(2) for k in range(2)})
         got = replicas.results({(g, k) for g in range(2) for k in range(2)}, deadline_s=60)
         finals, refused = replicas.other["final"], replicas.other["refused"]
+        sockets = replicas.listeners()  # the lighthouse's and every rank's, the ranks still up
     finally:
         replicas.close()
     phases = [1, 0]  # (f + 1) * H // K % H
@@ -54,6 +70,7 @@ def test_diloco_over_torchft_trains_like_the_simulation_and_refuses_what_it_cann
         assert max_diff({k: torch.tensor(v) for k, v in final["params"].items()}, want[group]) <= ADAMW_TOL
     for said in refused.values():
         assert "overlap=True) over torchft is not offered" in said[0] and "already carries a model" in said[1], said
+    assert len(sockets) == 5 and all(s.startswith("127.0.0.1:") for found in sockets.values() for s in found), sockets
 
 
 def test_a_group_lost_between_syncs_is_left_out_then_heals_and_rejoins_at_a_sync():
@@ -121,15 +138,7 @@ def test_groups_with_other_fragments_fail_by_name_in_each():
     """Group 0 syncs its model whole every 3 steps, group 1 in 2 fragments every 4: their rows
     would differ in size. The first quorum's comparison of layouts fails each group by name,
     before any outer step."""
-    replicas = Replicas(replicas=0, steps=8, target=diloco_rank, sync_every=3)
-    try:
-        replicas.start(0)
-        replicas.start(1, sync_every=4, fragments=2)
-        go(replicas, {(0, 0), (1, 0)})
-        replicas.wait_until(lambda: len(replicas.errors) == 2, "both groups' errors")
-    finally:
-        replicas.close()
-    for said in replicas.errors.values():
+    for said in errors_of({}, {"sync_every": 4, "fragments": 2}, steps=8, sync_every=3).values():
         assert "DiLoCo's replica groups hold other models, fragments or settings" in said, said
 
 
@@ -138,13 +147,5 @@ def test_a_nan_in_one_group_fails_every_group_by_name(dtype):
     """Group 1's parameter turns NaN before the sync at 3, its outer gradient sent as float32 or
     int8 blocks (whose scale would hide it): both groups raise naming replica 1, before any
     outer step."""
-    replicas = Replicas(replicas=0, steps=6, target=diloco_rank, sync_every=3, outer_dtype=dtype)
-    try:
-        replicas.start(0)
-        replicas.start(1, poison_at=3)
-        go(replicas, {(0, 0), (1, 0)})
-        replicas.wait_until(lambda: len(replicas.errors) == 2, "both groups' errors")
-    finally:
-        replicas.close()
-    for said in replicas.errors.values():
+    for said in errors_of({}, {"poison_at": 3}, steps=6, sync_every=3, outer_dtype=dtype).values():
         assert "the outer gradient of replica 1 is not finite" in said, said

@@ -291,14 +291,18 @@ class DiLoCo(torch.optim.Optimizer):
         loss = self.inner.step(closure)
         self.steps += 1
         if self.replicas.managed:
-            if any(self.steps % self.sync_every == f.phase for f in self.fragments):
+            if self.due():
                 self.sync_managed()
             return loss
         self.finish()  # with overlap: the syncs started a step ago
-        self.in_flight = [self.start(f) for f in self.fragments if self.steps % self.sync_every == f.phase]
+        self.in_flight = [self.start(f) for f in self.due()]
         if not self.overlap:
             self.finish()
         return loss
+
+    def due(self) -> list[Fragment]:
+        """The fragments that sync after the inner step just taken."""
+        return [f for f in self.fragments if self.steps % self.sync_every == f.phase]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
@@ -322,7 +326,7 @@ class DiLoCo(torch.optim.Optimizer):
         when this group's step commits; otherwise nothing changed, and it is redone in a new quorum."""
         while True:
             taking_part = self.replicas.begin(self.layout)  # a heal here replaces this replica's state by a live one's
-            due = [f for f in self.fragments if self.steps % self.sync_every == f.phase]
+            due = self.due()
             require(len(due) == 1, f"DiLoCo healed to inner step {self.steps}, at which no sync is due",
                     "Give every replica group the same fragments and sync_every.")
             average = self.average(self.start(due[0], taking_part))
