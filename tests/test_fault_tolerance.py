@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+pytest.importorskip("torchft", reason="torchft 0.2.0 needs torch 2.7 or newer (pyproject: fullshard[ft])")
+
 from tests.replicas import Replicas, batch_of, digest
 
 KILL_POINTS = ("forward", "backward", "allreduce", "optimizer")
