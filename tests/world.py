@@ -18,10 +18,13 @@ or sets environment variables for the ranks to read at start, uses a spawned wor
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import os
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -83,8 +86,14 @@ def loopback_store(rank: int, size: int, port: int):
                          use_libuv=False)  # torch 2.6's libuv store refuses a listening socket
 
 
-def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue) -> None:
-    """A rank's life: join the gloo group, then run jobs until told to stop."""
+def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue, log: str) -> None:
+    """A rank's life: join the gloo group, then run jobs until told to stop. What it writes to
+    stderr (a C++ abort's last words, a fatal signal's Python stacks) goes to `log`, which the
+    test reads when the rank dies."""
+    stderr = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(stderr, 2)
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1)  # a hung rank's stacks, when the test gives up on it
     os.environ.update(rank_env(rank, size, port))
     import torch
     import torch.distributed as dist
@@ -114,11 +123,13 @@ def extra_groups() -> int:
 
 class World:
     """`size` ranks that run jobs; `run(fn, **kwargs)` returns each rank's return value.
-    `forked`: fork the ranks from a server that has imported torch (Note [forked ranks])."""
+    `forked`: fork the ranks from a server that has imported torch (Note [forked ranks]);
+    `job_timeout_s`: when a rank that has not answered is taken as hung."""
 
-    def __init__(self, size: int, forked: bool = False) -> None:
+    def __init__(self, size: int, forked: bool = False, job_timeout_s: float = JOB_TIMEOUT_S) -> None:
         self.size = size
         self.forked = forked
+        self.job_timeout_s = job_timeout_s
         self.procs: list[mp.Process] = []
         self.start()
 
@@ -129,7 +140,9 @@ class World:
         port = free_port()
         self.jobs = [ctx.Queue() for _ in range(self.size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=serve, args=(rank, self.size, port, self.jobs[rank], self.results), daemon=True)
+        self.logs = tempfile.TemporaryDirectory(prefix="world-")
+        self.procs = [ctx.Process(target=serve, args=(rank, self.size, port, self.jobs[rank], self.results,
+                                                      os.path.join(self.logs.name, f"rank{rank}.log")), daemon=True)
                       for rank in range(self.size)]
         for proc in self.procs:
             proc.start()
@@ -142,7 +155,7 @@ class World:
     def run(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
         self.submit(fn, **kwargs)
         got: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + JOB_TIMEOUT_S
+        deadline = time.monotonic() + self.job_timeout_s
         while len(got) < self.size:
             failed = any(not ok for ok, _ in got.values())
             # once a rank failed, the others get one collective timeout to report
@@ -153,10 +166,11 @@ class World:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in got]
                 if dead or time.monotonic() > wait:
-                    self.restart()
                     missing = sorted(set(range(self.size)) - set(got))
+                    ends = self.ends(missing)
+                    self.restart()
                     raise AssertionError(f"{fn.__name__}: ranks {missing} did not answer "
-                                         f"(dead: {dead}); reports: {self.report(got)}")
+                                         f"(dead: {dead}); reports: {self.report(got)}{ends}")
         if any(not ok for ok, _ in got.values()):
             self.restart()
             raise AssertionError(f"{fn.__name__} failed:\n{self.report(got)}")
@@ -165,6 +179,24 @@ class World:
     @staticmethod
     def report(got: dict[int, tuple[bool, Any]]) -> str:
         return "\n".join(f"--- rank {r}:\n{v}" for r, (ok, v) in sorted(got.items()) if not ok)
+
+    def ends(self, ranks: list[int]) -> str:
+        """Where each of `ranks` (that did not answer) is: dead, with its exit code or signal, or
+        stuck, with its Python stacks; and the end of its stderr."""
+        stuck = [r for r in ranks if self.procs[r].is_alive()]
+        for rank in stuck:
+            os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        if stuck:
+            time.sleep(1)  # the stacks are written by the rank's signal handler
+        said = []
+        for rank in ranks:
+            code = self.procs[rank].exitcode
+            how = ("stuck (its stacks are below)" if code is None else f"killed by {signal.Signals(-code).name}" if code < 0
+                   else f"exit code {code}")
+            log = os.path.join(self.logs.name, f"rank{rank}.log")
+            last = open(log, errors="replace").read()[-3000:] if os.path.exists(log) else "(nothing: it never started)"
+            said.append(f"\n--- rank {rank}: {how}; its stderr ends:\n{last}")
+        return "".join(said)
 
     def restart(self) -> None:
         self.kill()
@@ -175,6 +207,7 @@ class World:
             proc.kill()
         for proc in self.procs:
             proc.join(timeout=10)
+        self.logs.cleanup()
 
     def __enter__(self) -> World:
         return self
