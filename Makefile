@@ -41,10 +41,7 @@ TORCH ?= 2.11.0
 test-torch:
 	python3 -m venv .venv-torch-$(TORCH)
 	echo "torch==$(TORCH)" > .venv-torch-$(TORCH)/constraints.txt
-	.venv-torch-$(TORCH)/bin/python -m pip install --quiet --no-compile --constraint .venv-torch-$(TORCH)/constraints.txt --editable '.[test]'
-	# torchft 0.2.0 needs torch 2.7 or newer: on an older torch it does not install, and the
-	# fault-tolerance tests (test_fault_tolerance.py, test_diloco_ft.py) skip, saying why
-	.venv-torch-$(TORCH)/bin/python -m pip install --quiet --no-compile --constraint .venv-torch-$(TORCH)/constraints.txt --editable '.[test,ft]' || echo "torchft does not install on torch $(TORCH)"
+	.venv-torch-$(TORCH)/bin/python -m pip install --quiet --no-compile --constraint .venv-torch-$(TORCH)/constraints.txt --editable '.[test,ft]'
 	# torchao 0.18 imports on recent torch only; a torchao that does not import breaks
 	# transformers' import too, so it goes (the float8 test then skips, saying why)
 	.venv-torch-$(TORCH)/bin/python -c "import torchao" 2>/dev/null || .venv-torch-$(TORCH)/bin/python -m pip uninstall --quiet --yes torchao

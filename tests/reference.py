@@ -37,19 +37,12 @@ from typing import Any, Callable
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.tags import HEADER_BYTES
-
-# torch 2.6's FSDP2 does not run on the CPU (torch.cpu.Stream, which it takes for its streams,
-# lacks record_event): tests that compare with FSDP2 have nothing to compare with there
-FSDP2_RUNS_ON_CPU = hasattr(torch.cpu.Stream, "record_event")  # a bool, for tests that compare only where it runs
-FSDP2_ON_CPU = pytest.mark.skipif(not FSDP2_RUNS_ON_CPU, reason=f"torch {torch.__version__}'s FSDP2 does not run on "
-                                  f"the CPU")  # a mark (always true as a bool: use FSDP2_RUNS_ON_CPU in conditions)
 
 LOSS_TOL = 1e-6
 SGD_TOL = 2.5e-7

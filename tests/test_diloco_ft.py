@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchft", reason="torchft 0.2.0 needs torch 2.7 or newer (pyproject: fullshard[ft])")
+pytest.importorskip("torchft", reason="torchft is fullshard[ft]'s: pip install 'fullshard[ft]'")
 
 from tests.diloco_replicas import diloco_rank
 from tests.reference import ADAMW_TOL, max_diff

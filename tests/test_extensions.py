@@ -12,7 +12,6 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.testing._internal.two_tensor import TwoTensor
 
 import fullshard
-from tests.reference import FSDP2_RUNS_ON_CPU
 
 
 class HalfOnWire(TwoTensor):
@@ -77,20 +76,18 @@ def half_on_wire_job() -> dict:
         gather_bytes = stats.gather_bytes
     out = {"losses": ours["losses"], "weight sums": [w.double().sum().item() for w in ours["weights"]],
            "gather bytes": gather_bytes}
-    if FSDP2_RUNS_ON_CPU:
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-        theirs = train(fully_shard)
-        out["same as FSDP2"] = ours["losses"] == theirs["losses"] and all(
-            torch.equal(a, b) for a, b in zip(ours["weights"], theirs["weights"]))
+    theirs = train(fully_shard)
+    out["same as FSDP2"] = ours["losses"] == theirs["losses"] and all(
+        torch.equal(a, b) for a, b in zip(ours["weights"], theirs["weights"]))
     return out
 
 
 def test_a_subclass_that_gathers_bf16_trains_as_on_fsdp2(world2):
     got = world2.run(half_on_wire_job)
     assert got[0]["weight sums"] == got[1]["weight sums"]  # every rank the same model
-    if FSDP2_RUNS_ON_CPU:  # torch 2.7 on
-        assert all(g["same as FSDP2"] for g in got), got  # losses and weights bitwise FSDP2's
+    assert all(g["same as FSDP2"] for g in got), got  # losses and weights bitwise FSDP2's
     # one backward: the two Linear units gather in forward, the first again in backward (the
     # last stays full), the root has no parameters; each weight as bf16, each bias as fp32,
     # (N-1)/N of every gather: rank 0 sends its half
@@ -132,8 +129,6 @@ def test_torchao_float8_training_gathers_float8_and_matches_fsdp2(world2):
         import torchao.float8  # noqa: F401
     except Exception as e:  # a torchao built for another torch fails in its own ways
         pytest.skip(f"torchao's float8 training does not import here ({type(e).__name__}: {e})"[:200])
-    if not FSDP2_RUNS_ON_CPU:
-        pytest.skip("torch's FSDP2 runs on the CPU from torch 2.7 on")
     got = world2.run(float8_job)
     assert all(g["same as FSDP2"] for g in got), got
     # a backward's gathers (both units in forward, the first again in backward): each weight as

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("torchft", reason="torchft 0.2.0 needs torch 2.7 or newer (pyproject: fullshard[ft])")
+pytest.importorskip("torchft", reason="torchft is fullshard[ft]'s: pip install 'fullshard[ft]'")
 
 from tests.replicas import Replicas, batch_of, digest
 
@@ -394,8 +394,8 @@ def test_addresses_are_ip_literals_and_a_wildcard_warns():
 # ---- fullshard train --fault-tolerant ----------------------------------------------------------
 
 
-def train_killing_group_1(out, after_rows: int, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
-    """`fullshard train` of the tiny GPT for 200 steps as 2 replica groups of 1 rank (and the
+def train_killing_group_1(out, after_rows: int, extra: tuple[str, ...] = (), steps: int = 200) -> tuple[list[dict], str]:
+    """`fullshard train` of the tiny GPT for `steps` steps as 2 replica groups of 1 rank (and the
     options `extra`), group 1's rank SIGKILLed once metrics.jsonl holds `after_rows` rows and
     group 1 took part in a step (under load it may join late): the rows and the launcher's
     stderr, once it ended with 0 and said it restarted group 1."""
@@ -407,7 +407,7 @@ def train_killing_group_1(out, after_rows: int, extra: tuple[str, ...] = ()) -> 
 
     from tests.world import child_pythonpath
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
-    run = subprocess.Popen([sys.executable, "-m", "fullshard.cli", "train", "--preset", "tiny", "--steps", "200",
+    run = subprocess.Popen([sys.executable, "-m", "fullshard.cli", "train", "--preset", "tiny", "--steps", str(steps),
                             "--nproc", "2", "--replicas", "2", "--fault-tolerant", "--seq-len", "64",
                             "--global-batch", "32", "--eval-interval", "1000", "--eval-batches", "1",
                             "--sample-bytes", "0", "--timeout", "20", "--out", str(out), *extra],
@@ -448,13 +448,17 @@ def test_train_survives_a_killed_replica_group_and_logs_every_step_once(tmp_path
     assert fewer and participants[-1] == 2 and all(n == 2 for n in participants[fewer[-1] + 1:]), participants
 
 
-def test_a_group_restarted_too_late_trains_nothing_alone(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--sync-every", "20")], ids=["every step", "DiLoCo"])
+def test_a_group_restarted_too_late_trains_nothing_alone(tmp_path, extra):
     """Group 1 killed 5 steps before the end: the live group finishes before the restarted one is
     up, so that one never finds a group to heal from. It takes no step alone (Note [rejoining
     first]; before, it trained the run again from step 1 for LATE_GROUP_S and logged those rows
-    a second time) and the launcher ends it: every step logged once."""
-    rows, err = train_killing_group_1(tmp_path, 195)
-    assert [row["step"] for row in rows] == list(range(1, 201)), ([row["step"] for row in rows], err[-3000:])
+    a second time) and the launcher ends it: every step logged once. The same with DiLoCo: the
+    restarted group, from nothing, syncs alone and logs nothing (Note [diloco rows]; before, it
+    logged its 20 steps again). (40 steps: what makes the restart late is the 5 steps left
+    against the seconds a restart takes, not the run's length.)"""
+    rows, err = train_killing_group_1(tmp_path, 35, extra, steps=40)
+    assert [row["step"] for row in rows] == list(range(1, 41)), ([row["step"] for row in rows], err[-3000:])
 
 
 @pytest.mark.parametrize("args, words", [

@@ -23,7 +23,7 @@ from fullshard.module import NOT_OFFERED
 from fullshard.hooks import unit_hooks
 from fullshard.gpt import Block
 from tests.models import tiny_gpt, token_batch
-from tests.reference import ADAMW_TOL, FSDP2_ON_CPU, LOSS_TOL, SGD_TOL, full_state, max_diff
+from tests.reference import ADAMW_TOL, LOSS_TOL, SGD_TOL, full_state, max_diff
 from tests.test_errors import raises
 
 
@@ -379,7 +379,6 @@ def replace_job() -> dict:
             and TORCH_FULLY_SHARD is not fullshard.fully_shard, "isinstance": isinstance(ours, FSDPModule)}
 
 
-@FSDP2_ON_CPU
 def test_replace_fsdp2_runs_code_that_calls_torchs_fully_shard_on_fullshard(world2):
     for got in world2.run(replace_job):
         assert got["ours"] and got["restored"] and got["isinstance"]
@@ -967,24 +966,6 @@ def spmd_job() -> dict:
     got["unknown dim"] = raises(lambda: fullshard.fully_shard(
         nn.Linear(2, 2), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")))
     return got
-
-
-def old_torch_tp_job() -> str:
-    """Before torch 2.10 fullshard cannot join dp and TP dims into one mesh: a named refusal."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from tests.models import TPLlama, tensor_parallel
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = TPLlama()
-    tensor_parallel(model, mesh["tp"])
-    return raises(lambda: fullshard.fully_shard(model, mesh=mesh["dp"]))
-
-
-@pytest.mark.skipif(hasattr(torch.distributed.device_mesh.DeviceMesh, "_concatenate"),
-                    reason="torch 2.10 and newer shard tensor-parallel DTensors (tests/test_tensor_parallel.py)")
-def test_tensor_parallelism_before_torch_2_10_is_refused(world4):
-    for message in world4.run(old_torch_tp_job):
-        assert "needs torch 2.10 or newer" in message, message
 
 
 @pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),

@@ -14,7 +14,7 @@ from torch import nn
 import fullshard
 from fullshard.gpt import GPT, Block, GPTConfig
 from tests.models import SEQ, VOCAB, gpt_loss, model_spec, tiny_gpt, token_batch
-from tests.reference import (FSDP2_ON_CPU, CollectiveLog, assert_parity, full_state, global_batches,
+from tests.reference import (CollectiveLog, assert_parity, full_state, global_batches,
                              local_slice, make_optimizer, max_diff, parity, train)
 
 MODELS = ["gpt", "twice", "situations", "checkpoint_reentrant", "checkpoint_nonreentrant",
@@ -72,7 +72,6 @@ def torch_fsdp2_job() -> float:
     return max(abs(x - y) for x, y in zip(a, b)) + max_diff(full_state(ours), full_state(theirs))
 
 
-@FSDP2_ON_CPU
 def test_bitwise_equal_to_torch_fsdp2(world2):
     # Same shard layout, same reduction order: not one bit differs from torch FSDP2.
     assert world2.run(torch_fsdp2_job) == [0.0, 0.0]
@@ -140,7 +139,7 @@ def live_tensor_bytes() -> int:
 
 
 def memory_job() -> dict:
-    before = live_tensor_bytes()  # what earlier jobs in this persistent rank left (torch 2.6's DCP keeps some)
+    before = live_tensor_bytes()  # what earlier jobs in this persistent rank left (DCP keeps some)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=64))
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -349,12 +349,10 @@ def tensor_parallel_job() -> dict:
     """2-D parallelism (dp 2 x tp 2, parallelize_module's colwise and rowwise weights): Muon's
     owner gathers each matrix over dp, then over tp; given the gradients the sharded model
     made, every parameter and momentum buffer bitwise torch.optim.Muon's on the whole matrices."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
     from tests.models import TPLlama, tensor_parallel, tp_token_batch
 
-    if not hasattr(DeviceMesh, "_concatenate"):  # 2-D fullshard needs torch 2.10 (test_tensor_parallel.py)
-        return {"skipped": True}
     torch.manual_seed(0)
     reference = TPLlama()
     torch.manual_seed(0)
@@ -381,8 +379,6 @@ def tensor_parallel_job() -> dict:
 
 def test_muon_on_tensor_parallel_matrices_is_torch_muon_bitwise(world4):
     for got in world4.run(tensor_parallel_job):
-        if got.get("skipped"):
-            continue
         assert all(got["params"]) and all(got["buffers"]), got
         assert got["kinds"] == ["Shard(dim=0)", "Shard(dim=1)"], got  # colwise and rowwise weights both
 

@@ -22,7 +22,6 @@ from torch.utils.checkpoint import checkpoint
 import fullshard
 from fullshard import stage_state
 from tests.models import SEQ, VOCAB, named_mesh
-from tests.reference import FSDP2_RUNS_ON_CPU
 from tests.test_errors import raises
 from tests.world import World
 
@@ -125,7 +124,8 @@ def batches(dp_index: int, dp_size: int, model: str = "chain") -> list[tuple[tor
     generator = torch.Generator().manual_seed(0)
     if model == "llama":
         tokens = [torch.randint(0, VOCAB, (BATCH * dp_size, SEQ + 1), generator=generator) for _ in range(STEPS)]
-        whole = [(t[:, :-1], t[:, 1:]) for t in tokens]
+        # contiguous: torch 2.10's stages check each microbatch's strides against the shapes they expect
+        whole = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
     else:
         whole = [(torch.randn(BATCH * dp_size, WIDTH, generator=generator),
                   torch.randn(BATCH * dp_size, WIDTH, generator=generator)) for _ in range(STEPS)]
@@ -304,7 +304,16 @@ def assert_bitwise(a: dict, b: dict) -> None:
     assert all(torch.equal(a["params"][name], b["params"][name]) for name in a["params"])
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+# torch 2.10's V-shaped schedules fail over gloo in torch's own code, with FSDP2's stages too: the
+# first step's warm-up of a rank's neighbours sends from one of its stages to the other, and gloo
+# has no connection to the rank itself ("Pair is not connected"), or waits for the group's
+# timeout; 2.12 and 2.13 run them (2.11 not tried)
+OLD_V = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+
+
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.skipif(
+    OLD_V and SCHEDULES[s] == "v", reason=f"torch {torch.__version__}'s V-shaped schedules fail over gloo before any "
+                                          "fullshard code runs (docs/composition.md)")) for s in SCHEDULES])
 def test_every_schedule_runs_fullshard_stages_like_one_process(world4, schedule):
     want = reference()
     results = world4.run(pipeline_job, schedule=schedule)
@@ -315,7 +324,7 @@ def test_every_schedule_runs_fullshard_stages_like_one_process(world4, schedule)
     assert_like_one_process(ours, want, TOL)
     # torch's fully_shard under replace_fsdp2 is fullshard's: the same bits
     assert_bitwise(merged(world4.run(pipeline_job, schedule=schedule, impl="replace_fsdp2")), ours)
-    if schedule not in SPLIT_BACKWARD and FSDP2_RUNS_ON_CPU:  # FSDP2's order of operations on 2 dp ranks
+    if schedule not in SPLIT_BACKWARD:  # FSDP2's order of operations on 2 dp ranks
         assert_bitwise(merged(world4.run(pipeline_job, schedule=schedule, impl="fsdp2")), ours)
 
 
@@ -323,28 +332,25 @@ def test_tensor_parallel_inside_a_stage_is_fsdp2_bitwise(world4):
     # pp 2 x dp 1 x tp 2: Colwise then Rowwise in each block, on each stage's tp ranks
     ours = merged(world4.run(pipeline_job, mesh="tp"))
     assert_like_one_process(ours, reference(dp_size=1), TOL)
-    if FSDP2_RUNS_ON_CPU:
-        assert_bitwise(merged(world4.run(pipeline_job, mesh="tp", impl="fsdp2")), ours)
+    assert_bitwise(merged(world4.run(pipeline_job, mesh="tp", impl="fsdp2")), ours)
 
 
 def test_a_hugging_face_llama_in_two_stages_trains_like_one_process_and_fsdp2(world4):
     # each stage keeps its decoder layers (and the embedding or the norm and head), the torchtitan way
     ours = merged(world4.run(pipeline_job, model="llama"))
     assert_like_one_process(ours, reference(model="llama"), TOL)
-    if FSDP2_RUNS_ON_CPU:
-        assert_bitwise(merged(world4.run(pipeline_job, model="llama", impl="fsdp2")), ours)
+    assert_bitwise(merged(world4.run(pipeline_job, model="llama", impl="fsdp2")), ours)
 
 
 def test_hybrid_sharding_inside_a_stage_trains_like_one_process():
     # pp 2 x (2 replicas x 2 shards): 8 ranks, each stage's 4 data-parallel ranks on its 2-D mesh
     with World(8, forked=True) as world:
         ours = merged(world.run(pipeline_job, mesh="hsdp"))
-        theirs = merged(world.run(pipeline_job, mesh="hsdp", impl="fsdp2")) if FSDP2_RUNS_ON_CPU else None
+        theirs = merged(world.run(pipeline_job, mesh="hsdp", impl="fsdp2"))
     assert_like_one_process(ours, reference(dp_size=4), TOL)
-    if theirs is not None:
-        # 4 data-parallel ranks: FSDP2 sums each reduce-scatter and all-reduce in gloo's order,
-        # fullshard in rank order (Note [replica sums]), so the last bits may differ
-        assert_like_one_process(theirs, reference(dp_size=4), TOL)
+    # 4 data-parallel ranks: FSDP2 sums each reduce-scatter and all-reduce in gloo's order,
+    # fullshard in rank order (Note [replica sums]), so the last bits may differ
+    assert_like_one_process(theirs, reference(dp_size=4), TOL)
 
 
 def test_clipping_muon_low_precision_checkpointing_and_meta_init_compose(world4):
@@ -596,8 +602,8 @@ def reached_by_schedules() -> dict[str, set[str]]:
             chains["context"].add(node.attr)
         elif owner in loops and loops[owner].endswith(".all_states"):
             chains["unit state"].add(node.attr)
-        elif owner in loops and "_fsdp_param_group" in loops[owner]:
-            chains["param group"].add(node.attr)
+        elif owner in loops and "_fsdp_param_group" in loops[owner] or owner.endswith("._fsdp_param_group"):
+            chains["param group"].add(node.attr)  # torch 2.13 loops over a state's groups, 2.10 reads its one
     return chains
 
 

@@ -140,7 +140,9 @@ def test_the_runtime_term_is_measured_on_this_machine():
                           precisions=("fp32", "bf16"))
     probed = fullshard.planner.measured(("fp32", "bf16"))
     assert [plan.hardware.runtime[p] for p in ("fp32", "bf16")] == [p.runtime for p in probed]
-    assert all(10 << 20 < p.runtime < 500 << 20 for p in probed), probed  # a process's libraries, not 0
+    # a process's libraries, not 0 (about 200 MiB with torch's CPU build, 650 MiB with a CUDA build's libraries
+    # loaded on a CPU), and not the whole machine's
+    assert all(10 << 20 < p.runtime < 2 << 30 for p in probed), probed
     assert [plan.hardware.flops[p] for p in ("fp32", "bf16")] == [p.flops * e for p, e in zip(probed, (0.57, 0.27))]
     assert plan.chosen.memory["runtime"] == plan.hardware.runtime[plan.chosen.precision]
     # hardware that is not this machine keeps its figures on paper

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import fullshard
 from tests.models import gpt_loss, hybrid_mesh, model_spec, tiny_gpt, token_batch
-from tests.reference import FSDP2_ON_CPU, full_state, global_batches, make_optimizer, max_diff, train
+from tests.reference import full_state, global_batches, make_optimizer, max_diff, train
 from tests.test_errors import raises
 from tests.world import JOB_TIMEOUT_S, World, child_pythonpath
 
@@ -219,7 +219,6 @@ def torch_side_job(path: str, direction: str) -> dict:
     return {"same": same, "next": abs(a[0] - b[0]) + max_diff(full_state(ours), full_state(theirs))}
 
 
-@FSDP2_ON_CPU
 @pytest.mark.parametrize("direction", ["fullshard->torch", "torch->fullshard"])
 def test_interop_with_torch_fsdp2_and_dcp(world2, tmp_path, direction):
     for got in world2.run(torch_side_job, path=str(tmp_path / "ckpt"), direction=direction):

@@ -9,10 +9,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 
-import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fullshard
@@ -21,10 +20,6 @@ from tests.models import SEQ, TPBlock, TPLlama, tensor_parallel, tp_plan, tp_tok
 from tests.reference import ADAMW_TOL, LOSS_TOL, global_batches, make_optimizer
 from tests.test_errors import raises
 
-# fullshard joins the dp and TP dims into one mesh with DeviceMesh._concatenate, torch 2.10's;
-# before it, sharding tensor-parallel DTensors is refused by name (the last test)
-pytestmark = pytest.mark.skipif(not hasattr(DeviceMesh, "_concatenate"), reason="tensor parallelism with fullshard "
-                                "needs torch 2.10 or newer; test_tensor_parallelism_before_torch_2_10_is_refused")
 
 SHAPES = {"2x2": ((2, 2), ("dp", "tp")), "hsdp 2x1x2": ((2, 1, 2), ("replicate", "shard", "tp")),
           "flattened 2x1x2": ((2, 1, 2), ("a", "b", "tp"))}  # dp: dims a and b flattened into one

@@ -42,7 +42,7 @@ JOB_TIMEOUT_S = 300
 # torch._dynamo is imported lazily by the first DTensor a job builds, and costs a second; a
 # job's test file is imported by each new rank that runs it, pytest and the tests' helpers
 # with it (half a second a rank)
-# (fullshard.ft where torchft is installed: torchft 0.2.0 needs torch 2.7 or newer)
+# (fullshard.ft where torchft, fullshard[ft]'s, is installed)
 FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fullshard",
                 *(["fullshard.ft"] if importlib.util.find_spec("torchft") else []),
                 "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
@@ -82,8 +82,7 @@ def loopback_store(rank: int, size: int, port: int):
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", port))
     listener.listen(128)
-    return dist.TCPStore("127.0.0.1", port, size, True, timeout=timeout, master_listen_fd=listener.detach(),
-                         use_libuv=False)  # torch 2.6's libuv store refuses a listening socket
+    return dist.TCPStore("127.0.0.1", port, size, True, timeout=timeout, master_listen_fd=listener.detach())
 
 
 def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue, log: str) -> None:

@@ -234,21 +234,8 @@ def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh `mesh` was sliced from (itself if none), as each torch release offers it."""
-    if hasattr(mesh, "_get_root_mesh"):  # torch 2.10 and newer
-        return mesh._get_root_mesh()
-    from torch.distributed.device_mesh import _mesh_resources  # torch 2.6-2.9
-
-    return _mesh_resources.get_root_mesh(mesh)
-
-
-def concatenate(meshes: list[DeviceMesh], what: str) -> DeviceMesh:
-    """One mesh of the dims of `meshes` (dims of one root mesh), or a FullShardError on a torch
-    that cannot make one (before 2.10)."""
-    if not hasattr(DeviceMesh, "_concatenate"):
-        raise fail(f"{what} needs torch 2.10 or newer (it joins mesh dims with DeviceMesh._concatenate); this is "
-                   f"torch {torch.__version__}", "Upgrade torch, or shard without tensor parallelism.")
-    return DeviceMesh._concatenate(meshes)
+    """The mesh `mesh` was sliced from (itself if none)."""
+    return mesh._get_root_mesh()
 
 
 def spanned_dims(mesh: DeviceMesh) -> frozenset[int]:
@@ -308,7 +295,7 @@ def spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of both dims (dp's, then TP's), made once per pair; RuntimeError when they are
     not distinct dims of one mesh."""
     def make() -> DeviceMesh:
-        joined = concatenate([dp_mesh, tp_mesh], "fully_shard of tensor-parallel DTensors")
+        joined = DeviceMesh._concatenate([dp_mesh, tp_mesh])
         spanned_dims(joined)  # for clip_grad_norm_, now rather than in a training step
         return joined
 
@@ -332,14 +319,12 @@ def spmd_dp_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, frozenset[int], st
     def one(group: tuple[str, ...]) -> DeviceMesh:
         return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
 
-    dp = concatenate([one(replicate), one(shard)], "dp_mesh_dims with replicate dims") if replicate else one(shard)
+    dp = DeviceMesh._concatenate([one(replicate), one(shard)]) if replicate else one(shard)
     return dp, frozenset(names.index(name) for name in shard + replicate), others[0] if others else None
 
 
 def check_tp_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple, fqn: str) -> None:
     """Refuse a tensor-parallel DTensor parameter that fullshard cannot shard further over `dp_mesh`."""
-    if not hasattr(DeviceMesh, "_concatenate"):
-        concatenate([dp_mesh, tp_mesh], f"fully_shard of {fqn!r}, a tensor-parallel DTensor,")
     if tp_mesh.ndim != 1 or not all(p.is_shard() or p.is_replicate() for p in placements) or \
             any(isinstance(p, _StridedShard) for p in placements):
         raise fail(f"parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh with placements {placements}; "

@@ -31,8 +31,11 @@ class Pipeline:
     stages: int
     dp_rank: int
     dp: int
-    schedule: object  # 1F1B over --grad-accum microbatches: training and evaluation
-    sampler: object  # one sequence, forward only: the sample
+    schedule: object  # 1F1B over --grad-accum microbatches: training
+    # forward only, each on a PipelineStage of its own: a stage that ran without gradients first
+    # sends none back in training (torch 2.10 infers that once)
+    evaluator: object  # over --grad-accum microbatches: the validation loss
+    sampler: object  # one sequence (a copy per stage: a microbatch each, as torch 2.10 asks): the sample
     microbatches: int
     activation_bytes: int  # of one microbatch's activations between stages
 
@@ -67,7 +70,8 @@ def build(cfg, dims: dict, device: torch.device, world: int, shard) -> Pipeline:
     bytes_per = {"bf16": 2, "fp16": 2}.get(cfg.precision, 4)
     return Pipeline(stage, index, stages, dp_rank, dp,
                     schedule=Schedule1F1B(pipeline_stage(), n_microbatches=cfg.grad_accum, loss_fn=loss),
-                    sampler=ScheduleGPipe(pipeline_stage(), n_microbatches=1), microbatches=cfg.grad_accum,
+                    evaluator=ScheduleGPipe(pipeline_stage(), n_microbatches=cfg.grad_accum, loss_fn=loss),
+                    sampler=ScheduleGPipe(pipeline_stage(), n_microbatches=stages), microbatches=cfg.grad_accum,
                     activation_bytes=rows * cfg.seq_len * dims["n_embd"] * bytes_per)
 
 
@@ -78,7 +82,8 @@ def run_schedule(pipe: Pipeline, what: str, run, x: torch.Tensor, y: torch.Tenso
     losses: list[torch.Tensor] = []
     last = {"target": y, "losses": losses} if pipe.index == pipe.stages - 1 and y is not None else {}
     try:
-        output = run(x, **last) if pipe.index == 0 else run(**last)
+        # contiguous: torch 2.10's first stage refuses inputs whose strides differ from those it expects
+        output = run(x.contiguous(), **last) if pipe.index == 0 else run(**last)
     except FullShardError:
         raise
     except Exception as e:  # torch's stage wraps what fullshard raised; its sends and receives raise their own
@@ -107,14 +112,14 @@ def train_step(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, step: int) -> t
 
 def evaluate(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The mean validation loss of this rank's batch (0 off the last stage)."""
-    losses, _ = run_schedule(pipe, "the validation", pipe.schedule.eval, x, y)
+    losses, _ = run_schedule(pipe, "the validation", pipe.evaluator.eval, x, y)
     return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=x.device)
 
 
 def next_logits(pipe: Pipeline, context: torch.Tensor, seq_len: int) -> torch.Tensor | None:
     """The logits of the byte after `context` ([1, n]), on the last stage (None elsewhere): the
     context padded to seq_len (attention is causal, so the padding changes nothing before it)."""
-    padded = torch.zeros((1, seq_len), dtype=context.dtype, device=context.device)
+    padded = torch.zeros((pipe.stages, seq_len), dtype=context.dtype, device=context.device)
     padded[:, : context.size(1)] = context
     _, output = run_schedule(pipe, "the sample", pipe.sampler.eval, padded, None)
-    return None if output is None else output[:, context.size(1) - 1].float()
+    return None if output is None else output[:1, context.size(1) - 1].float()

@@ -10,19 +10,24 @@ steps. A group that heals drops its rows, and the step it took (the live groups'
 them); a group restarted while another lives starts from nothing rather than its checkpoint,
 so that it is behind and heals at its first sync. The rows after the last sync are written by
 the group in place 0 of that sync. The validation loss is that group's own model's.
-Note [rejoining first]'s wait is not made here: a restarted group that finds itself alone at its
-first sync (the live group's heartbeat lapsed) takes that sync alone and logs its steps again.
+Such a restarted group that is alone at a sync (the live groups finished before it was up, or
+their heartbeats lapsed) is behind the run, on steps the live groups logged: until a sync with
+another group it writes no rows and no checkpoint (which would replace its group's newest with
+a model trained from nothing); the launcher ends it once the others finished (Note [replica
+groups]).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import fullshard
 from fullshard import ft
 from fullshard.cli.config import gpt_dims
+from fullshard.cli.launcher import REJOINING
 from fullshard.cli.trainer import Run, evaluate, train_step
 
 
@@ -33,12 +38,13 @@ def diloco_loop(run: Run, manager: ft.Manager, log, ckpt: Path, group: int) -> b
     comm_stats = fullshard.stats(run.model)
     kept: list[dict] = []
     saving, last, logged = None, time.perf_counter(), False
+    rejoining = os.environ.get(REJOINING) == "1"  # from nothing, behind the run, until a sync with company
     while diloco.steps < cfg.steps:
         step, syncs = diloco.steps, manager.current_step()
         record = train_step(run, step, comm_stats, part=(group, cfg.replicas))
         done = diloco.steps
         if done != step + 1:  # healed in this step's sync: the live groups' state and step replace ours
-            kept = []
+            kept, rejoining = [], False
         else:
             if done % cfg.eval_interval == 0 or done == cfg.steps:
                 record["val_loss"] = evaluate(run)
@@ -47,7 +53,10 @@ def diloco_loop(run: Run, manager: ft.Manager, log, ckpt: Path, group: int) -> b
             last = now
             kept.append(record)
         synced = manager.current_step() > syncs
-        if synced or done == cfg.steps:
+        if synced and rejoining and diloco.participants <= 1:  # alone: the live groups logged these steps
+            kept = []
+        elif synced or (done == cfg.steps and not rejoining):
+            rejoining = False
             place = manager.participating_rank() if manager.current_step() else group  # before any sync: its own
             writer = place == 0 and log is not None
             for row in kept:
@@ -57,7 +66,7 @@ def diloco_loop(run: Run, manager: ft.Manager, log, ckpt: Path, group: int) -> b
             if writer:
                 log.flush()
             logged, kept = writer and bool(kept), []
-        if (cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps:
+        if not rejoining and ((cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or done == cfg.steps):
             saving = fullshard.save(ckpt, run.model, diloco, step=done, block=not cfg.background_saves,
                                     extra={"preset": cfg.preset, "dims": gpt_dims(cfg), "syncs": manager.current_step(),
                                            "batches_committed": manager.batches_committed()})

@@ -109,8 +109,7 @@ def replica_store(bind: str, port: int, *, is_master: bool, timeout: timedelta) 
                    "Pick a free port (or 0 for any) on an address of this host.") from None
     port = listener.getsockname()[1]
     return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                    master_listen_fd=listener.detach(),  # the store owns the socket from here
-                    use_libuv=False)  # older releases' libuv store refuses a listening socket (torch 2.6's does)
+                    master_listen_fd=listener.detach())  # the store owns the socket from here
 
 
 class ProcessGroupGloo(ReconfigurableGloo):
