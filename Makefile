@@ -34,10 +34,10 @@ test-integrations: $(VENV)/.integrations
 bench: $(VENV)/.installed
 	$(VENV)/bin/fullshard bench
 
-# The suite on another torch, in a venv of its own: make test-torch TORCH=2.11.0
+# The suite on another torch, in a venv of its own: make test-torch TORCH=2.12.0
 # (PyPI's builds of other releases are CUDA builds, several GB with their nvidia-* wheels;
 # they run on the CPU.)
-TORCH ?= 2.11.0
+TORCH ?= 2.12.0
 test-torch:
 	python3 -m venv .venv-torch-$(TORCH)
 	echo "torch==$(TORCH)" > .venv-torch-$(TORCH)/constraints.txt

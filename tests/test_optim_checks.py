@@ -98,7 +98,7 @@ def differ_job(case: str) -> dict:
 def test_ranks_that_step_other_matrices_fail_by_name_within_the_timeout(size):
     for case in ("grad None", "adamw group", "lr"):
         with World(size, forked=True) as world:  # the exchange that never matched leaves the group unusable
-            results = world.run(differ_job, case=case)
+            results = world.collect(differ_job, case=case)
         for rank, got in enumerate(results):
             assert "Muon's exchange of the rows of the matrices to their owners did not finish" in got["message"] \
                 and "Every rank must step the same matrices" in got["message"], (case, rank, got)

@@ -150,7 +150,7 @@ def stopped_peer_job(timeout_s: float) -> dict:
 def test_a_stopped_rank_fails_the_clis_own_collectives_naming_them():
     world = World(2, forked=True)  # a new world: the job leaves its process group unusable
     try:
-        got = world.run(stopped_peer_job, timeout_s=1.0)[0]
+        got = world.collect(stopped_peer_job, timeout_s=1.0)[0]
     finally:
         world.kill()
     assert "rank 0: the all-gather of step 7's metrics did not finish" in got["message"]

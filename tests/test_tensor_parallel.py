@@ -247,9 +247,6 @@ def tp_hang_job() -> dict:
 
 
 def test_dtensor_collectives_give_up_within_the_units_timeout_and_name_themselves(world2):
-    try:
-        got = world2.run(tp_hang_job)[0]
-    finally:
-        world2.restart()  # gloo closed the group's connections when its collective gave up
+    got = world2.run_unmatched(tp_hang_job)[0]  # gloo closed the group's connections when its collective gave up
     assert "tensor-parallel collective of parameter" in got["message"] and "within 1 s" in got["message"], got
     assert got["seconds"] < 10 and got["timeout back"], got

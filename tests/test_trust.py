@@ -284,9 +284,6 @@ def skipped_call_job(phase: str, root: str) -> dict:
 
 @pytest.mark.parametrize("phase", ["clip", "save", "load", "state dict"])
 def test_a_rank_that_skips_a_collective_call_gives_a_named_error_not_a_hang(world2, tmp_path, phase):
-    try:
-        got = world2.run(skipped_call_job, phase=phase, root=str(tmp_path))[0]
-    finally:
-        world2.restart()  # rank 0's abandoned collective would pair with the next test's
+    got = world2.run_unmatched(skipped_call_job, phase=phase, root=str(tmp_path))[0]  # rank 0's abandoned one
     assert "did not finish" in got["message"] and got["seconds"] < 30, got
     print(f"{phase}: named error after {got['seconds']:.1f} s (timeout 0.5 s): {got['message'][:150]}")  # docs/reliability.md

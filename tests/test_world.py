@@ -1,5 +1,6 @@
 """The test harness's worlds (tests/world.py): a rank that dies or hangs in a job is reported with
-how it ended and what it last wrote, so that a failure seen once in CI can be read, not guessed."""
+how it ended and what it last wrote, so that a failure seen once in CI can be read, not guessed;
+a job that leaves a collective unmatched is named, not the job after it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.world import World
@@ -35,3 +37,18 @@ def test_a_rank_that_dies_or_hangs_is_named_with_how_it_ended():
     assert "ranks [0] did not answer" in died and "rank 0: killed by SIGABRT" in died, died
     assert "last words of rank 0" in died and "Fatal Python error: Aborted" in died, died
     assert "rank 1: stuck" in stuck and "in stuck_job" in stuck, stuck
+
+
+def unmatched_job() -> None:
+    """Rank 0 starts an all-gather the other rank never joins, and returns."""
+    if dist.get_rank() == 0:
+        rows = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
+        dist.all_gather(rows, torch.tensor([1, 2]), async_op=True)
+
+
+def test_a_job_that_leaves_a_collective_unmatched_is_named():
+    with World(2, forked=True, collective_timeout_s=3) as world:
+        with pytest.raises(AssertionError) as left:
+            world.run(unmatched_job)
+        assert world.run(dist.get_rank) == [0, 1]  # a new world: the next job runs
+    assert "unmatched_job" in str(left.value), left.value

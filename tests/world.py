@@ -85,7 +85,7 @@ def loopback_store(rank: int, size: int, port: int):
     return dist.TCPStore("127.0.0.1", port, size, True, timeout=timeout, master_listen_fd=listener.detach())
 
 
-def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue, log: str) -> None:
+def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue, log: str, timeout_s: float) -> None:
     """A rank's life: join the gloo group, then run jobs until told to stop. What it writes to
     stderr (a C++ abort's last words, a fatal signal's Python stacks) goes to `log`, which the
     test reads when the rank dies."""
@@ -100,9 +100,9 @@ def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue, lo
     torch.set_num_threads(1)
     # the groups a DeviceMesh makes (new_group without a timeout) take torch's default, 30 minutes;
     # a DTensor collective of a test's own (full_tensor) on them must fail within the minute too
-    dist.distributed_c10d.default_pg_timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", store=loopback_store(rank, size, port), rank=rank, world_size=size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=timedelta(seconds=timeout_s))
     while (job := jobs.get()) is not None:
         fn, kwargs = job
         try:
@@ -111,6 +111,23 @@ def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue, lo
             results.put((rank, False, traceback.format_exc()))
     dist.barrier()
     dist.destroy_process_group()
+
+
+FENCE = 0x6E6F6E65  # a job's after-check: a number no job's collective sends
+
+
+def fence(job: int) -> bool:
+    """After a job every rank answered: one small all-gather on the default group. A rank that
+    left a collective there unmatched (a job that raised on one rank and was caught on another)
+    pairs it with this one's rows, which then differ, or waits: the job that left the world
+    unusable is named, rather than the next job failing in gloo (or gloo aborting a rank)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([FENCE, job], dtype=torch.int64)
+    everyone = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(t.tolist() == [FENCE, job] for t in everyone)
 
 
 def extra_groups() -> int:
@@ -123,12 +140,15 @@ def extra_groups() -> int:
 class World:
     """`size` ranks that run jobs; `run(fn, **kwargs)` returns each rank's return value.
     `forked`: fork the ranks from a server that has imported torch (Note [forked ranks]);
-    `job_timeout_s`: when a rank that has not answered is taken as hung."""
+    `job_timeout_s`: when a rank that has not answered is taken as hung; `collective_timeout_s`: of
+    the ranks' process groups."""
 
-    def __init__(self, size: int, forked: bool = False, job_timeout_s: float = JOB_TIMEOUT_S) -> None:
+    def __init__(self, size: int, forked: bool = False, job_timeout_s: float = JOB_TIMEOUT_S,
+                 collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         self.size = size
         self.forked = forked
-        self.job_timeout_s = job_timeout_s
+        self.job_timeout_s, self.collective_timeout_s = job_timeout_s, collective_timeout_s
+        self.jobs_run = 0
         self.procs: list[mp.Process] = []
         self.start()
 
@@ -141,7 +161,8 @@ class World:
         self.results = ctx.Queue()
         self.logs = tempfile.TemporaryDirectory(prefix="world-")
         self.procs = [ctx.Process(target=serve, args=(rank, self.size, port, self.jobs[rank], self.results,
-                                                      os.path.join(self.logs.name, f"rank{rank}.log")), daemon=True)
+                                                      os.path.join(self.logs.name, f"rank{rank}.log"),
+                                                      self.collective_timeout_s), daemon=True)
                       for rank in range(self.size)]
         for proc in self.procs:
             proc.start()
@@ -152,13 +173,35 @@ class World:
             jobs.put((fn, kwargs))
 
     def run(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        results = self.collect(fn, **kwargs)
+        self.jobs_run += 1
+        left = f"{fn.__name__} left a collective unmatched on the default group: the ranks' check after it"
+        try:
+            fenced = self.collect(fence, job=self.jobs_run)
+        except AssertionError as e:
+            raise AssertionError(f"{left} failed: {e}") from None
+        if not all(fenced):
+            self.restart()
+            raise AssertionError(f"{left} received other rows")
+        return results
+
+    def run_unmatched(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """`run` for a job that leaves a collective unmatched by design (what a rank whose peer
+        skipped one is told): no check after it; the world starts afresh."""
+        try:
+            return self.collect(fn, **kwargs)
+        finally:
+            self.restart()
+
+    def collect(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """Run `fn` on every rank; each rank's return value, or an AssertionError with each failure."""
         self.submit(fn, **kwargs)
         got: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + self.job_timeout_s
         while len(got) < self.size:
             failed = any(not ok for ok, _ in got.values())
             # once a rank failed, the others get one collective timeout to report
-            wait = min(deadline, time.monotonic() + COLLECTIVE_TIMEOUT_S + 5) if failed else deadline
+            wait = min(deadline, time.monotonic() + self.collective_timeout_s + 5) if failed else deadline
             try:
                 rank, ok, value = self.results.get(timeout=max(0.1, min(1.0, wait - time.monotonic())))
                 got[rank] = (ok, value)
@@ -218,5 +261,5 @@ class World:
         for jobs in self.jobs:
             jobs.put(None)
         for proc in self.procs:
-            proc.join(timeout=COLLECTIVE_TIMEOUT_S)
+            proc.join(timeout=self.collective_timeout_s)
         self.kill()
