@@ -321,6 +321,7 @@ class DiLoCo(torch.optim.Optimizer):
         flights, self.in_flight = self.in_flight, []
         self.pending += [(flight.fragment, self.average(flight)) for flight in flights]
 
+    @torch.no_grad()
     def sync_managed(self) -> None:
         """The sync due now over torchft (Note [managed syncs] in fullshard/ft/diloco.py): taken
         when this group's step commits; otherwise nothing changed, and it is redone in a new quorum."""

@@ -8,8 +8,9 @@ with the sync's participants (a group that healed in it takes no place). A group
 syncs loses its kept rows, and the group in place 0 at the next sync writes its own for those
 steps. A group that heals drops its rows, and the step it took (the live groups' replace
 them); a group restarted while another lives starts from nothing rather than its checkpoint,
-so that it is behind and heals at its first sync. The rows after the last sync are written by
-the group in place 0 of that sync. The validation loss is that group's own model's.
+so that it is behind, and joins the live groups' next sync before any step of its own: it
+heals in it (sending nothing the others average) and goes on from their step. The rows after
+the last sync are written by the group in place 0 of that sync. The validation loss is that group's own model's.
 Such a restarted group that is alone at a sync (the live groups finished before it was up, or
 their heartbeats lapsed) is behind the run, on steps the live groups logged: until a sync with
 another group it writes no rows and no checkpoint (which would replace its group's newest with
@@ -39,6 +40,9 @@ def diloco_loop(run: Run, manager: ft.Manager, log, ckpt: Path, group: int) -> b
     kept: list[dict] = []
     saving, last, logged = None, time.perf_counter(), False
     rejoining = os.environ.get(REJOINING) == "1"  # from nothing, behind the run, until a sync with company
+    if rejoining:  # take part in the live groups' next sync now, healing in it, not after H steps of its own
+        diloco.sync_managed()
+        rejoining = diloco.steps == 0  # not healed: alone
     while diloco.steps < cfg.steps:
         step, syncs = diloco.steps, manager.current_step()
         record = train_step(run, step, comm_stats, part=(group, cfg.replicas))
