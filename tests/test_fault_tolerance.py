@@ -448,17 +448,19 @@ def test_train_survives_a_killed_replica_group_and_logs_every_step_once(tmp_path
     assert fewer and participants[-1] == 2 and all(n == 2 for n in participants[fewer[-1] + 1:]), participants
 
 
-@pytest.mark.parametrize("extra", [(), ("--sync-every", "20")], ids=["every step", "DiLoCo"])
+@pytest.mark.parametrize("extra", [(), ("--sync-every", "5")], ids=["every step", "DiLoCo"])
 def test_a_group_restarted_too_late_trains_nothing_alone(tmp_path, extra):
     """Group 1 killed 5 steps before the end: the live group finishes before the restarted one is
     up, so that one never finds a group to heal from. It takes no step alone (Note [rejoining
     first]; before, it trained the run again from step 1 for LATE_GROUP_S and logged those rows
     a second time) and the launcher ends it: every step logged once. The same with DiLoCo: the
     restarted group, from nothing, syncs alone and logs nothing (Note [diloco rows]; before, it
-    logged its 20 steps again). (40 steps: what makes the restart late is the 5 steps left
-    against the seconds a restart takes, not the run's length.)"""
-    rows, err = train_killing_group_1(tmp_path, 35, extra, steps=40)
-    assert [row["step"] for row in rows] == list(range(1, 41)), ([row["step"] for row in rows], err[-3000:])
+    logged its steps again); it syncs every 5 steps, so that the rows reach step 95 at a sync
+    5 steps before the end. (100 steps: what makes the restart late is the 5 steps left against
+    the seconds a restart takes; the rest gives group 1's first start time to take part, which
+    a CUDA build's slower start under load needed.)"""
+    rows, err = train_killing_group_1(tmp_path, 95, extra, steps=100)
+    assert [row["step"] for row in rows] == list(range(1, 101)), ([row["step"] for row in rows], err[-3000:])
 
 
 @pytest.mark.parametrize("args, words", [
