@@ -233,8 +233,8 @@ class World:
         said = []
         for rank in ranks:
             code = self.procs[rank].exitcode
-            how = ("stuck (its stacks are below)" if code is None else f"killed by {signal.Signals(-code).name}" if code < 0
-                   else f"exit code {code}")
+            how = ("stuck (its stacks are below)" if code is None else
+                   f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
             log = os.path.join(self.logs.name, f"rank{rank}.log")
             last = open(log, errors="replace").read()[-3000:] if os.path.exists(log) else "(nothing: it never started)"
             said.append(f"\n--- rank {rank}: {how}; its stderr ends:\n{last}")

@@ -233,17 +233,12 @@ def mesh_roles(mesh: DeviceMesh) -> tuple[str, ...]:
     )
 
 
-def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh `mesh` was sliced from (itself if none)."""
-    return mesh._get_root_mesh()
-
-
 def spanned_dims(mesh: DeviceMesh) -> frozenset[int]:
     """The dims of `mesh`'s root mesh that it reaches along from this rank, found by ranks (so a
     flattened dim counts as the dims it joins); worked out once per mesh, when a unit is made:
     a mesh tensor read in a training step would look like a host sync."""
     def make() -> frozenset[int]:
-        root = root_mesh(mesh)
+        root = mesh._get_root_mesh()
         if root is mesh:
             return frozenset(range(root.ndim))
         ranks, coordinate = set(mesh.mesh.flatten().tolist()), root.get_coordinate()
@@ -259,7 +254,7 @@ def replica_dims(meshes: list[DeviceMesh]) -> dict[DeviceMesh, set[int]]:
     them holds: those `meshes` (a model's units' data-parallel meshes and its TP meshes) span."""
     dims: dict[DeviceMesh, set[int]] = {}
     for mesh in meshes:
-        dims.setdefault(root_mesh(mesh), set()).update(spanned_dims(mesh))
+        dims.setdefault(mesh._get_root_mesh(), set()).update(spanned_dims(mesh))
     return dims
 
 
@@ -268,7 +263,7 @@ def counted_copy(mesh: DeviceMesh, copies: dict[DeviceMesh, set[int]], spans: bo
     tensor, on no dim of it): only at coordinate 0 of the dims in `copies` (replica_dims of the
     model) it does not span, whose ranks hold copies; along any other dim (pipeline stages)
     ranks hold other parts."""
-    root = root_mesh(mesh)
+    root = mesh._get_root_mesh()
     coordinate, spanned = root.get_coordinate(), spanned_dims(mesh) if spans else frozenset()
     return all(coordinate[k] == 0 for k in copies.get(root, set()) - spanned)
 

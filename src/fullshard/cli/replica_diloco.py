@@ -10,8 +10,8 @@ steps. A group that heals drops its rows, and the step it took (the live groups'
 them); a group restarted while another lives starts from nothing rather than its checkpoint,
 so that it is behind, and joins the live groups' next sync before any step of its own: it
 heals in it (sending nothing the others average) and goes on from their step. The rows after
-the last sync are written by the group in place 0 of that sync. The validation loss is that group's own model's.
-Such a restarted group that is alone at a sync (the live groups finished before it was up, or
+the last sync are written by the group in place 0 of that sync. The validation loss is that
+group's own model's. Such a restarted group that is alone at a sync (the live groups finished before it was up, or
 their heartbeats lapsed) is behind the run, on steps the live groups logged: until a sync with
 another group it writes no rows and no checkpoint (which would replace its group's newest with
 a model trained from nothing); the launcher ends it once the others finished (Note [replica
