@@ -111,6 +111,7 @@ def hostile_job(root: str) -> dict:
     saved = snapshot(model, opt)
     path = next(Path(root).glob("v-*/fullshard.json"))
     good = json.loads(path.read_text())
+    dist.barrier()  # every rank has read the good manifest before rank 0 edits it
     progress = Path(root).parent / f"progress-{rank}"
     out: dict[str, list] = {"errors": [], "loaded": [], "wrong": []}
     slowest = 0.0

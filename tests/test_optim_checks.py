@@ -231,6 +231,7 @@ def planted_job(root: str) -> dict:
     fullshard.save(root, model, opt)
     path = next(Path(root).glob("v-*/fullshard.json"))
     good = json.loads(path.read_text())
+    dist.barrier()  # every rank has read the good manifest before rank 0 edits it
     before = [p.full_tensor().clone() for p in params]
     out = {}
     for name, key, value in (("ns_steps 2.5", "optim.param_groups.0.ns_steps", 2.5),
