@@ -97,10 +97,11 @@ HARDWARE = {
 
 INT8_GAIN = 1.25
 # Note [peak margin]: a CPU candidate fits a budget when its predicted peak and this share of
-# it do: the planner's error on the accuracy table (docs/planner.md) stays within it, so a
-# run planned for a budget peaks below it as `fullshard train` reports. GPU figures are on
-# paper: a budget there is the allocator's peak plus the runtime stated apart.
-PEAK_MARGIN = 0.05
+# it do: 10%, the planner's accuracy target (docs/planner.md). Its error was -0.3 .. -4.0% on
+# one machine and -3.5 .. -6.2% on another (with the planning process's own pages), so 5%
+# was not enough; a run planned for a budget peaks below it as `fullshard train` reports.
+# GPU figures are on paper: a budget there is the allocator's peak plus the runtime stated apart.
+PEAK_MARGIN = 0.10
 
 
 def needed(c: Candidate, hw: Hardware) -> int:
@@ -506,6 +507,9 @@ def probe(precision: str) -> str:
     x = torch.randint(0, PROBE_CONFIG.vocab_size, (PROBE_BATCH, PROBE_CONFIG.block_size + 1))
     with torch.device("meta"):
         model = GPT(PROBE_CONFIG)
+    # a process that plans keeps what planning paged in and cached (fake tensors' kernels,
+    # ~12 MiB): `fullshard train --plan auto` and apply_plan's scripts plan where they train
+    plan(model, world_size=1, memory_budget=2**60, batch=PROBE_BATCH, seq=PROBE_CONFIG.block_size, hardware="a100")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if precision == "bf16" else None
     shard_model(model, wrap={type(model.h[0])}, mp_policy=mp, forward_prefetch=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -599,7 +603,7 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
             train` reports: on a CPU the process's peak resident memory as the OS counts it
             (Python, torch and fullshard included, freed memory returned as
             ``return_freed_memory`` (fullshard/stats.py) makes train's ranks return it; the text
-            train holds beside is the CLI's to add), which must fit with a 5% margin (Note
+            train holds beside is the CLI's to add), which must fit with a 10% margin (Note
             [peak margin]); on a GPU the allocator's peak (``torch.cuda.max_memory_allocated``),
             which must fit with the hardware's runtime (CUDA context, NCCL) added.
         batch: sequences per rank per micro-batch.

@@ -166,7 +166,7 @@ def plan_command(args: argparse.Namespace) -> int:
     print("\n" + plan.explain())
     if plan.hardware.device == "cpu":
         print("\nPeaks are each rank's whole process, as `fullshard train` reports them, less the text it trains on "
-              "(train adds it: the default corpus is about 30 MiB); a plan fits when its peak and 5% do.")
+              "(train adds it: the default corpus is about 30 MiB); a plan fits when its peak and 10% do.")
     else:
         print(f"\nPeaks are torch.cuda.max_memory_allocated, as `fullshard train` reports them on GPUs; a plan fits "
               f"when its peak and the runtime ({plan.hardware.name}'s CUDA context and NCCL buffers) do.")
