@@ -602,7 +602,7 @@ def reached_by_schedules() -> dict[str, set[str]]:
             chains["context"].add(node.attr)
         elif owner in loops and loops[owner].endswith(".all_states"):
             chains["unit state"].add(node.attr)
-        elif owner in loops and "_fsdp_param_group" in loops[owner] or owner.endswith("._fsdp_param_group"):
+        elif (owner in loops and "_fsdp_param_group" in loops[owner]) or owner.endswith("._fsdp_param_group"):
             chains["param group"].add(node.attr)  # torch 2.13 loops over a state's groups, 2.10 reads its one
     return chains
 

@@ -154,6 +154,14 @@ def test_a_budget_nothing_fits_says_the_smallest_that_would():
     with pytest.raises(FullShardError, match=r"smallest peak is \d+ MiB") as error:
         fullshard.plan(meta_gpt(), world_size=2, memory_budget=10 * 2**20, batch=8, seq=128, hardware=CPU)
     assert "Give each rank at least" in str(error.value)
+    # a plan fits with a 10% margin (README, Note [peak margin]): the smallest peak plus 5% is refused,
+    # plus 10% fits
+    least = min(c.peak for c in fullshard.plan(meta_gpt(), world_size=2, memory_budget=1e15, batch=8, seq=128,
+                                                hardware=CPU).candidates)
+    with pytest.raises(FullShardError, match="smallest peak is"):
+        fullshard.plan(meta_gpt(), world_size=2, memory_budget=least * 1.05, batch=8, seq=128, hardware=CPU)
+    assert fullshard.plan(meta_gpt(), world_size=2, memory_budget=least * 1.10 + 1, batch=8, seq=128,
+                          hardware=CPU).chosen.peak == least
     with pytest.raises(FullShardError, match="meta device"):
         fullshard.plan(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)), world_size=2,
                        memory_budget=1e9, batch=1, seq=8)
