@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=29510, help="the port (0: any free one)")
     parser.add_argument("--min-replicas", type=int, default=1, help="the fewest replica groups a step commits with")
     args = parser.parse_args(argv)
+    # before the address is printed: a supervisor may stop it as soon as it reads the line
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         from fullshard.ft.network import Lighthouse
 
@@ -26,7 +28,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"lighthouse at {lighthouse.address()}: pass it to every replica group as lighthouse_addr "
           f"(or TORCHFT_LIGHTHOUSE)", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         signal.pause()
     except KeyboardInterrupt:
