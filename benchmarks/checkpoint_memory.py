@@ -19,7 +19,7 @@ import fullshard
 from fullshard.gpt import Block
 
 from fullshard.cli.bench import BATCHES, build_model
-from fullshard.stats import process_memory
+from fullshard.accounting import process_memory
 
 
 def measure(label: str, fn) -> None:

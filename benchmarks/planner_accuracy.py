@@ -12,7 +12,7 @@ The planner's runtime probe (Note [runtime probe] in fullshard/planner.py) runs 
 same caps, as it would on such a machine.
 
 Each configuration runs in a fresh `torchrun` whose ranks return freed memory to the OS as
-`fullshard train`'s do (return_freed_memory in fullshard/stats.py; no environment variable), so
+`fullshard train`'s do (return_freed_memory in fullshard/accounting.py; no environment variable), so
 that the resident set follows live memory; the measured figure is each rank's whole peak
 RSS (VmHWM), the largest over ranks: the planner's basis, what `fullshard train` reports
 (less the text train holds beside, which train adds to the plan itself). Bytes are
@@ -60,7 +60,7 @@ def worker(preset: str, strategy: str, precision: str, batch: int, wrap: str, ch
 
     import fullshard
     from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
-    from fullshard.stats import process_memory, return_freed_memory
+    from fullshard.accounting import process_memory, return_freed_memory
 
     return_freed_memory()
     torch.set_num_threads(1)

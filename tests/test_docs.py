@@ -90,7 +90,7 @@ SAVED_AS = {text.name: set(re.findall(r"Save this as `([^`]+)`", text.read_text(
 
 def quoted_names() -> list[tuple[str, str]]:
     """(file, code) for every code span of README.md and docs/ that names a module of the
-    package followed by something in it (`collectives.redistribute`, `fullshard/stats.py`)."""
+    package followed by something in it (`collectives.redistribute`, `fullshard/accounting.py`)."""
     out = []
     for text in TEXTS:
         for code in CODE.findall(text.read_text()):

@@ -10,7 +10,7 @@ from torch import nn
 import fullshard
 from fullshard import FullShardError
 from fullshard.gpt import GPT, Block, GPTConfig
-from fullshard.stats import process_memory
+from fullshard.accounting import process_memory
 from tests.models import gpt_loss, hf_llama, hf_loss, hf_units, tiny_gpt, token_batch
 from tests.world import World
 from tests.reference import full_state, global_batches, make_optimizer, max_diff, train

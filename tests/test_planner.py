@@ -17,7 +17,7 @@ import fullshard
 from fullshard import FullShardError
 from fullshard.gpt import GPT, PRESETS, Block, GPTConfig
 from fullshard.planner import HARDWARE
-from fullshard.stats import process_memory
+from fullshard.accounting import process_memory
 from tests.world import World
 
 CPU = dataclasses.replace(HARDWARE["cpu"], ranks_per_node=2)

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+import fullshard
+
 # generous: on 2 cores shared with other work a rank can wait tens of seconds for a
 # descheduled peer; a collective that never completes still fails within the minute
 COLLECTIVE_TIMEOUT_S = 60
@@ -43,7 +45,9 @@ JOB_TIMEOUT_S = 300
 # job's test file is imported by each new rank that runs it, pytest and the tests' helpers
 # with it (half a second a rank)
 # (fullshard.ft where torchft, fullshard[ft]'s, is installed)
-FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fullshard",
+# (`import fullshard` imports nothing of the library: its names load on first use, so the
+# server imports the module of each)
+FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", *sorted(set(fullshard.HOME.values())),
                 *(["fullshard.ft"] if importlib.util.find_spec("torchft") else []),
                 "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
                 "pytest", "tests.models", "tests.reference", "tests.test_errors"]

@@ -49,7 +49,7 @@ from fullshard.param import shard_numel
 from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
 from fullshard.blocks import BLOCK
 from fullshard.quantize import quantized_bytes
-from fullshard.stats import process_memory, return_freed_memory
+from fullshard.accounting import process_memory, return_freed_memory
 from fullshard.wrap import choose_units, recompute, shard_model
 
 
@@ -604,7 +604,7 @@ def plan(model: nn.Module, *, world_size: int, memory_budget: int | float, batch
         memory_budget: bytes per rank the peak must stay within. The peak is the one `fullshard
             train` reports: on a CPU the process's peak resident memory as the OS counts it
             (Python, torch and fullshard included, freed memory returned as
-            ``return_freed_memory`` (fullshard/stats.py) makes train's ranks return it; the text
+            ``return_freed_memory`` (fullshard/accounting.py) makes train's ranks return it; the text
             train holds beside is the CLI's to add), which must fit with a 10% margin (Note
             [peak margin]); on a GPU the allocator's peak (``torch.cuda.max_memory_allocated``),
             which must fit with the hardware's runtime (CUDA context, NCCL) added.

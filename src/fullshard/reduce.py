@@ -320,7 +320,7 @@ class Reductions:
     def __init__(self, params: list[ShardedParam], layout, group: ShardGroup, uid: int, counts: dict,
                  shared, naming) -> None:
         self.params, self.layout, self.group, self.uid = params, layout, group, uid
-        self.counts = counts  # the unit's counters (stats.Stats)
+        self.counts = counts  # the unit's counters (accounting.Stats)
         self.shared, self.naming = shared, naming  # shared.Shared (the root's after lazy init), shared.Naming
         self.plans: dict[tuple[bool, ...], list[ReducePlan]] = {}
         self.in_flight: list[tuple[ReducePlan, Reducing, object, object]] = []  # one per reduce dtype, with its switches and options

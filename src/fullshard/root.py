@@ -17,7 +17,7 @@ from fullshard.errors import CollectiveError, fail
 from fullshard.options import Schedule
 from fullshard.runtime import NOTHING, label, profiling
 from fullshard.shared import Shared
-from fullshard.stats import Stats
+from fullshard.accounting import Stats
 from fullshard.unit import ShardState, Unit
 from fullshard.units import described
 

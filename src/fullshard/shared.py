@@ -9,7 +9,7 @@ import torch.distributed as dist
 from fullshard.errors import DIVERGED, FullShardError, collective_failed, fail
 from fullshard.routes import BufferPool
 from fullshard.runtime import MismatchedRows
-from fullshard.stats import new_meter
+from fullshard.accounting import new_meter
 from fullshard.tags import KINDS, sent_by
 from fullshard.units import described
 

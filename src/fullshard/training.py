@@ -21,7 +21,7 @@ from fullshard.hooks import Phase, hooks_for, ordinary_tensors, unit_hooks, unit
 from fullshard.mesh import counted_copy, replica_dims, replica_of
 from fullshard.options import DEFAULT_TIMEOUT
 from fullshard.param import local_values
-from fullshard.stats import Stats
+from fullshard.accounting import Stats
 from fullshard.units import unit_of
 from fullshard.unit import ShardState, Unit
 

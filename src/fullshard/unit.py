@@ -44,7 +44,7 @@ from fullshard.reduce import Reductions
 from fullshard.routes import stream_runtime
 from fullshard.runtime import NOTHING, label, profiling
 from fullshard.shared import Naming, Shared
-from fullshard.stats import new_counts
+from fullshard.accounting import new_counts
 from fullshard.tags import GATHER
 
 
@@ -78,7 +78,7 @@ class Unit:
         self.index = 0  # position among the root's units (lazy init), for the non-finite check
         self.shared = Shared(f"model {uid} ({self.class_name})")  # the root's after lazy init (join)
         self.naming = Naming(uid, self.class_name, self.shared)
-        self.counts = new_counts()  # this unit's collectives (stats.Stats reads them)
+        self.counts = new_counts()  # this unit's collectives (accounting.Stats reads them)
         self.phase = Phase.IDLE
         self.expects_post_backward = False  # a forward with gradients ran: its PostBackward, or the root's callback, reduces
         self.layout = UnitLayout([shard_numel(rows_first(local_values(o.param).shape, o.dim), group.world)

@@ -24,9 +24,8 @@ from pathlib import Path
 from fullshard.errors import EveryRankError, FullShardError
 from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch, launch_replicas
 from fullshard.cli.config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
-                                    parse_bytes, pipeline_problem, plan_problem, problem, unused_problem)
+                                    parse_bytes, pipeline_problem, plan_problem, problem, unused_problem, version)
 from fullshard.cli.run_log import open_log
-from fullshard.cli.trainer import train, version
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
@@ -57,11 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         return fatal("--fault-tolerant starts its replica groups and their lighthouse itself: run it without "
                      "torchrun (or, under torchrun, use fullshard.ft's recipe: docs/fault-tolerance.md)")
     if LAUNCHER_PID in os.environ or all(var in os.environ for var in TORCHRUN_VARS):  # one rank of a job
-        try:
+        try:  # the trainer (the library, DTensor, dynamo) is imported by the ranks alone, not by the launcher
             if cfg.fault_tolerant:
                 from fullshard.cli.replica import train_replica
 
                 return train_replica(cfg)
+            from fullshard.cli.trainer import train
+
             return train(cfg)
         except FullShardError as e:  # what went wrong and how to fix it, in one line (one rank's, when all agree)
             if os.environ.get("RANK") == "0" or not isinstance(e, EveryRankError):

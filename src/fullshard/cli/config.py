@@ -413,3 +413,13 @@ def gpt_dims(options: TrainConfig | argparse.Namespace) -> dict[str, int]:
 
     given = {k: v for k in ("n_layer", "n_embd", "n_head") if (v := getattr(options, k)) is not None}
     return {**PRESETS[options.preset], **given}
+
+
+def version() -> str:
+    """fullshard's installed version, for --version and the banner."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fullshard")
+    except PackageNotFoundError:
+        return "unknown"

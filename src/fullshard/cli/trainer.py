@@ -29,13 +29,13 @@ import fullshard
 from fullshard import runtime
 from fullshard.cli import pipeline
 from fullshard.cli.config import (TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes, pipeline_problem,
-                                    unused_problem)
+                                    unused_problem, version)
 from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.cli.run_log import latest_rows, open_log, plot, read_rows, summary
 from fullshard.collectives import all_gather_ints, all_reduce_
 from fullshard.errors import CollectiveError, EveryRankError, FullShardError, collective_failed, fail
-from fullshard.stats import return_freed_memory
+from fullshard.accounting import return_freed_memory
 from fullshard.gpt import GPT, Block, GPTConfig, parameter_count
 
 NCCL_WATCHDOG_GRACE = timedelta(seconds=60)  # Note [cli deadlines]
@@ -480,19 +480,9 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     if Path("/proc/self/status").is_file():
-        from fullshard.stats import process_memory
+        from fullshard.accounting import process_memory
 
         return process_memory("VmHWM") / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def version() -> str:
-    """fullshard's installed version, for the banner and --version."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fullshard")
-    except PackageNotFoundError:
-        return "unknown"
