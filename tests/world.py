@@ -40,13 +40,12 @@ COLLECTIVE_TIMEOUT_S = 60
 # a job takes seconds, the longest about a minute on 2 cores shared with other work;
 # one still running after this is hung
 JOB_TIMEOUT_S = 300
-# imported once by the server that forks the ranks of forked worlds (Note [forked ranks]);
-# torch._dynamo is imported lazily by the first DTensor a job builds, and costs a second; a
-# job's test file is imported by each new rank that runs it, pytest and the tests' helpers
-# with it (half a second a rank)
-# (fullshard.ft where torchft, fullshard[ft]'s, is installed)
-# (`import fullshard` imports nothing of the library: its names load on first use, so the
-# server imports the module of each)
+# imported once by the server that forks the ranks of forked worlds (Note [forked ranks]):
+# the library by the module of each public name (`import fullshard` alone loads none of
+# them), and fullshard.ft where torchft, fullshard[ft]'s, is installed; torch._dynamo is
+# imported lazily by the first DTensor a job builds, and costs a second; a job's test file is
+# imported by each new rank that runs it, pytest and the tests' helpers with it (half a
+# second a rank)
 FORK_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", *sorted(set(fullshard.HOME.values())),
                 *(["fullshard.ft"] if importlib.util.find_spec("torchft") else []),
                 "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
