@@ -251,26 +251,15 @@ HEAVY = ("torch.distributed.tensor", "torch._dynamo", "fullshard.api", "fullshar
 seen = {}
 cli.launch = lambda command, nproc, restarts: seen.update(heavy=[m for m in HEAVY if m in sys.modules]) or 0
 status = cli.main(["train", "--preset", "tiny", "--steps", "1", "--out", sys.argv[1]])
-import fullshard, fullshard.accounting, fullshard.training
-try:
-    fullshard.no_such_name
-    unknown = "resolved"
-except AttributeError as e:
-    unknown = str(e)
-print(json.dumps({"status": status, **seen, "unknown": unknown, "optim": fullshard.optim.__name__,
-                  "module": fullshard.testing.__name__,
-                  "stats": fullshard.stats is fullshard.training.stats, "dir": sorted(set(fullshard.__all__) - set(dir(fullshard))),
-                  "names": {name: getattr(getattr(fullshard, name), "__module__", "") for name in fullshard.__all__}}))
+print(json.dumps({"status": status, **seen}))
 """
 
 
-def test_the_launcher_imports_torch_alone_and_the_public_names_load_on_first_use(tmp_path):
+def test_the_launcher_imports_torch_alone(tmp_path):
     """A local run's launcher passes every check and starts the ranks having imported torch (its
     GPU count) but not the library, DTensor or dynamo (1.5 CPU-seconds less a run than when
-    `import fullshard` imported everything). Each public name then loads on first use as the
-    object its module defines, and each module as an attribute (`fullshard.testing`):
-    `fullshard.stats` stays the function once the module that counts is imported (it is
-    fullshard.accounting: as fullshard/stats.py, its import made the attribute the module)."""
+    `import fullshard` imported everything; the package's names load on first use:
+    test_design.py)."""
     import json
     import subprocess
 
@@ -280,9 +269,6 @@ def test_the_launcher_imports_torch_alone_and_the_public_names_load_on_first_use
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.splitlines()[-1])
     assert got["status"] == 0 and got["heavy"] == [], got
-    assert got["unknown"] == "module 'fullshard' has no attribute 'no_such_name'" and got["dir"] == []
-    assert got["stats"] and got["optim"] == "fullshard.optim" and got["module"] == "fullshard.testing"
-    assert all(module.startswith("fullshard.") for name, module in got["names"].items() if name != "optim"), got
 
 
 # ---- the launcher of local runs (fullshard.cli.launcher), with stand-in ranks -------------------

@@ -1,7 +1,7 @@
 """README's design section as a check on the code: every library file is in its layer
 picture, and each imports only files of layers below its own (no file imports another of
 its line), including imports inside functions; the library never imports the CLI or the
-test tooling beside it."""
+test tooling beside it; and `__init__`, the public API, imports each name on first use."""
 
 from __future__ import annotations
 
@@ -96,3 +96,35 @@ def test_collectives_are_issued_from_collectives_py_and_routes_py_only():
                 if name in COLLECTIVES or (name in ONLY_ON_DIST and on_dist):
                     found.append(f"{path.name}:{node.lineno} {name}")
     assert not found, found
+
+
+def test_the_public_names_load_on_first_use_and_import_fullshard_alone_imports_no_torch():
+    """README's layer 14: `import fullshard` imports nothing of torch's (so `fullshard train`'s
+    launcher does without the library: test_cli.py); each public name then loads as the object
+    its module defines, and each module as an attribute (`fullshard.testing`). `fullshard.stats`
+    stays the function with the module that counts imported (it is fullshard.accounting: as
+    fullshard/stats.py, its import made the attribute the module)."""
+    import os
+    import subprocess
+    import sys
+
+    import fullshard
+    import fullshard.accounting
+    import fullshard.training
+    from tests.world import child_pythonpath
+
+    fresh = subprocess.run([sys.executable, "-c", "import sys, fullshard; print(sorted(m for m in sys.modules if "
+                            "m.split('.')[0] in ('torch', 'fullshard')))"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": child_pythonpath()})
+    assert fresh.returncode == 0 and fresh.stdout.split() == ["['fullshard']"], (fresh.stdout, fresh.stderr[-2000:])
+    try:
+        fullshard.no_such_name
+        unknown = "resolved"
+    except AttributeError as e:
+        unknown = str(e)
+    assert unknown == "module 'fullshard' has no attribute 'no_such_name'"
+    assert set(fullshard.__all__) <= set(dir(fullshard))
+    assert fullshard.stats is fullshard.training.stats and fullshard.optim.__name__ == "fullshard.optim"
+    assert fullshard.testing.__name__ == "fullshard.testing"
+    names = {name: getattr(getattr(fullshard, name), "__module__", "") for name in fullshard.__all__}
+    assert all(module.startswith("fullshard.") for name, module in names.items() if name != "optim"), names

@@ -414,9 +414,9 @@ def train_killing_group_1(out, kills: tuple[int, ...], extra: tuple[str, ...] = 
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log = out / "metrics.jsonl"
-        deadline = time.monotonic() + 120
         started = 0  # rows logged when group 1 last started: it takes part in a later one
         for after_rows in kills:
+            deadline = time.monotonic() + 120
             while not (log.is_file() and len(lines := log.read_text().splitlines()) >= after_rows
                        and any('"participants": 2' in line for line in lines[started:])):
                 assert run.poll() is None and time.monotonic() < deadline, run.communicate()

@@ -3,7 +3,8 @@
 Its names, and its modules as attributes (`fullshard.planner`), are imported on first use
 (PEP 562), so that `import fullshard` alone imports nothing heavy: `fullshard train`'s
 launcher, which only starts the ranks, does without DTensor, dynamo and the library (1.5
-CPU-seconds a run, and the ranks start 2 s sooner: the launcher imports before they do). `from fullshard import X` and `fullshard.X` work as in any package."""
+CPU-seconds a run, and the ranks start 2 s sooner: the launcher imports before they do).
+`from fullshard import X` and `fullshard.X` work as in any package."""
 
 from __future__ import annotations
 
