@@ -3,6 +3,9 @@ the one uninterrupted `fullshard train` run that the CLI and reliability tests c
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,9 +56,20 @@ def worlds_with_few_groups():
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory) -> Path:
     """`fullshard train` with STRAIGHT's arguments on 2 ranks under torchrun, uninterrupted:
-    its out directory (metrics.jsonl, loss.png, checkpoint/)."""
-    out = tmp_path_factory.mktemp("straight")
-    finish(fullshard("train", *STRAIGHT, "--out", str(out), launcher="torchrun"))
+    its out directory (metrics.jsonl, loss.png, checkpoint/), which its tests only read. Made
+    once per suite: the pytest workers share it (the first to need it runs it while holding a
+    lock on the temporary directory they share, the other waits for it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is a directory of the run's
+        shared = shared.parent
+    out = shared / "straight"
+    with open(shared / "straight.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "straight.done").is_file():
+            shutil.rmtree(out, ignore_errors=True)  # a run that failed in another worker
+            out.mkdir()
+            finish(fullshard("train", *STRAIGHT, "--out", str(out), launcher="torchrun"))
+            (shared / "straight.done").touch()
     return out
 
 

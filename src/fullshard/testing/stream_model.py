@@ -312,19 +312,21 @@ class StreamModel:
 
     # ---- buffers ---------------------------------------------------------------------------
 
-    def buffer(self, tensor: torch.Tensor) -> Buffer:
+    def buffer(self, tensor: torch.Tensor, where: str | None = None) -> Buffer:
         tensor = local_values(tensor)
         key = tensor.untyped_storage()._cdata
         if key not in self.buffers:
-            self.buffers[key] = Buffer(tensor, caller_site())
+            self.buffers[key] = Buffer(tensor, where or caller_site())
             self.keep.append(tensor.untyped_storage())  # the storage itself: `.data =` may move the tensor
         return self.buffers[key]
 
-    def access(self, stream: Stream, tensors: list[torch.Tensor], kind: str, *, copy: bool = False) -> None:
-        """`stream` reads or writes `tensors`; kernels on host memory run on the host, copies on `stream`."""
-        where = caller_site()
+    def access(self, stream: Stream, tensors: list[torch.Tensor], kind: str, *, copy: bool = False,
+               where: str | None = None) -> None:
+        """`stream` reads or writes `tensors`; kernels on host memory run on the host, copies on `stream`.
+        `where`: the caller's site, when the caller has found it already (finding it walks the stack)."""
+        where = where or caller_site()
         for tensor in tensors:
-            buffer = self.buffer(tensor)
+            buffer = self.buffer(tensor, where)
             on = self.host if buffer.host and not copy else stream
             self.given(on)
             conflicts = ("write",) if kind == "read" else ("read", "write")
@@ -349,18 +351,19 @@ class StreamModel:
                 (written if is_write else read).append(value)
             elif isinstance(value, (list, tuple)):
                 (written if is_write else read).extend(t for t in value if isinstance(t, torch.Tensor))
+        where = caller_site()  # once per operation
         known = {local_values(t).untyped_storage()._cdata for t in (*read, *written)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and local_values(t).untyped_storage()._cdata not in known:
-                self.allocated(t)
+                self._allocated_at(t, where)
         stream = self.stack[-1]
         copy = func is torch.ops.aten.copy_.default  # between host and device memory: on the stream (a copy engine)
-        self.access(stream, [t for t in read if t.numel()], "read", copy=copy)
-        self.access(stream, [t for t in written if t.numel()], "write", copy=copy)
+        self.access(stream, [t for t in read if t.numel()], "read", copy=copy, where=where)
+        self.access(stream, [t for t in written if t.numel()], "write", copy=copy, where=where)
         blocking = copy and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-        if blocking and self.buffer(args[0]).host and not self.buffer(args[1]).host:  # the host waits for it
+        if blocking and self.buffer(args[0], where).host and not self.buffer(args[1], where).host:  # the host waits
             self.host_syncs += 1
-            self.sync_sites[f"a blocking copy to host memory at {caller_site()}"] += 1
+            self.sync_sites[f"a blocking copy to host memory at {where}"] += 1
             self.host.join({**stream.seen, stream: stream.clock})
 
     def reads(self, *tensors: torch.Tensor) -> None:
@@ -372,10 +375,13 @@ class StreamModel:
     def allocated(self, tensor: torch.Tensor) -> None:
         """New memory for `tensor` on the current stream: a write there, at its clock (whatever
         another stream does with it must be ordered after)."""
-        buffer = self.buffer(tensor)
+        self._allocated_at(tensor, caller_site())
+
+    def _allocated_at(self, tensor: torch.Tensor, where: str) -> None:
+        buffer = self.buffer(tensor, where)
         buffer.allocated_on = self.host if buffer.host else self.stack[-1]
         buffer.last.clear()
-        self.access(self.stack[-1], [tensor], "write")
+        self.access(self.stack[-1], [tensor], "write", where=where)
 
     def freed(self, tensor: torch.Tensor) -> None:
         buffer = self.buffer(tensor)
