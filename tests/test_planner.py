@@ -36,11 +36,25 @@ def predicted(preset: str, world: int, strategy: str, precision: str, batch: int
                 and c.gather == gather and c.reduce == reduce)
 
 
+def probed_here() -> dict:
+    """This process's probe of this machine, by precision, for new ranks to plan on (seeded)."""
+    return dict(zip(("fp32", "bf16"), fullshard.planner.measured(("fp32", "bf16"))))
+
+
+def seeded(probes: dict | None) -> None:
+    """Plan on the figures the test's process probed on this machine rather than probe again in
+    each new rank (two fresh processes, seconds of CPU): so the ranks plan exactly the plan the
+    test predicts. The probe itself is test_the_runtime_term_is_measured_on_this_machine's, and
+    `fullshard train --plan auto`'s ranks probe as users' do (test_plan_command_and_train...)."""
+    fullshard.planner._probed.update(probes or {})
+
+
 def run_job(preset: str, strategy: str, precision: str, batch: int, plan_budget: float | None = None,
-            gather: str = "exact", reduce: str = "exact") -> dict:
-    """Build on meta, shard (as given, or by a plan for `plan_budget`), train 3 steps; the peak
-    resident memory of the process (the planner's basis: Note [runtime probe]), and the bytes
-    of the last step."""
+            gather: str = "exact", reduce: str = "exact", probes: dict | None = None) -> dict:
+    """Build on meta, shard (as given, or by a plan for `plan_budget` on `probes`), train 3 steps;
+    the peak resident memory of the process (the planner's basis: Note [runtime probe]), and the
+    bytes of the last step."""
+    seeded(probes)
     x = torch.randint(0, 256, (batch, 129))
     torch.manual_seed(0)
     model = meta_gpt(preset)
@@ -126,8 +140,8 @@ def test_the_chosen_plan_fits_its_budget_when_run():
     budget = (least + needed(every.chosen, CPU)) // 2  # below what the fastest needs, above the least
     plan = fullshard.plan(meta_gpt(), world_size=2, memory_budget=budget, batch=8, seq=128, hardware=CPU)
     assert needed(plan.chosen, CPU) <= budget < needed(every.chosen, CPU) and "chosen:" in plan.explain()
-    got = measure(preset="small", strategy="", precision="", batch=8, plan_budget=budget)
-    # the plan run is the plan predicted (the ranks plan alike, on rank 0's probe), so its
+    got = measure(preset="small", strategy="", precision="", batch=8, plan_budget=budget, probes=probed_here())
+    # the plan run is the plan predicted (the ranks plan alike, on this process's probe), so its
     # peak is the chosen prediction within the planner's accuracy, Note [memory tolerance];
     # and the budget holds
     assert abs(got["peak"] - plan.chosen.peak) <= MEMORY_TOL * got["peak"], (got["peak"] / 2**20, plan.explain())
@@ -188,13 +202,14 @@ def test_on_gpus_a_budget_below_every_resident_sharding_offloads_to_host_memory(
         fullshard.plan(model, world_size=8, memory_budget=resident - 1, batch=4, seq=128, hardware=tight)
 
 
-def train_by_plan(offload: bool) -> list[float]:
-    """Losses of 3 steps of a GPT sharded by a plan forced to bf16, checkpointing and `offload`,
-    and of the same GPT sharded by hand with those settings."""
+def train_by_plan(offload: bool, probes: dict) -> list[float]:
+    """Losses of 3 steps of a GPT sharded by a plan (on `probes`) forced to bf16, checkpointing
+    and `offload`, and of the same GPT sharded by hand with those settings."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
 
+    seeded(probes)
     x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(dist.get_rank()))
     plan = fullshard.plan(meta_gpt("tiny", 32), world_size=2, memory_budget=1e15, batch=4, seq=32, hardware=CPU)
     plan.chosen = dataclasses.replace(plan.chosen, precision="bf16", checkpointing=True, offload=offload)
@@ -226,7 +241,7 @@ def test_a_plan_trains_exactly_like_its_settings_given_by_hand(world2):
     # losses, so a plan whose precision were dropped fails; on a CPU, offload and
     # recomputation leave results bitwise unchanged, so for them this checks that a plan
     # with them trains correctly, not that they took effect.
-    losses = world2.run(train_by_plan, offload=True)[0]
+    losses = world2.run(train_by_plan, offload=True, probes=probed_here())[0]
     assert losses[:3] == losses[3:], losses
 
 
