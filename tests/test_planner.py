@@ -43,9 +43,9 @@ def probed_here() -> dict:
 
 def seeded(probes: dict | None) -> None:
     """Plan on the figures the test's process probed on this machine rather than probe again in
-    each new rank (two fresh processes, seconds of CPU): so the ranks plan exactly the plan the
-    test predicts. The probe itself is test_the_runtime_term_is_measured_on_this_machine's, and
-    `fullshard train --plan auto`'s ranks probe as users' do (test_plan_command_and_train...)."""
+    each new rank (two fresh processes, seconds of CPU), so that the ranks plan exactly the plan
+    the test predicts. The probe has its own test, and the ranks of `fullshard train --plan auto`
+    below probe as a user's do."""
     fullshard.planner._probed.update(probes or {})
 
 
