@@ -316,6 +316,8 @@ class Replicas:
         while set(got) < expected:
             if not self.poll(0.5):
                 dead = [key for key in expected - set(got) if not self.procs[key].is_alive()]
+                if dead and self.poll(0):  # what it sent just before it ended
+                    continue
                 if dead or time.monotonic() > deadline:
                     raise AssertionError(f"ranks {sorted(expected - set(got))} did not finish (dead: {dead})")
             got.update({key: self.rows[key] for key in self.finished if key in expected})
@@ -350,13 +352,17 @@ class Replicas:
         return None
 
     def wait_until(self, done, what: str, deadline_s: float = 60) -> None:
-        """Take reports until `done()`; fail naming `what` after `deadline_s`."""
+        """Take reports until `done()`, then every report already sent (a rank's last words are
+        in its queue before it ends, but `done()` may see it ended first); fail naming `what`
+        after `deadline_s`."""
         deadline = time.monotonic() + deadline_s
         while not done():
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what}: not within {deadline_s} s; rows so far: "
                                      f"{ {k: len(v) for k, v in self.rows.items()} }")
             self.poll(0.2)
+        while self.poll(0):
+            pass
 
     def lose_and_heal(self, where: str) -> None:
         """Group 0 trains; group 1 joins, is SIGKILLed in its third step (`where`), is restarted,

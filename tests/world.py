@@ -210,6 +210,8 @@ class World:
                 got[rank] = (ok, value)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in got]
+                if dead and not self.results.empty():  # what it sent just before it ended comes first
+                    continue
                 if dead or time.monotonic() > wait:
                     missing = sorted(set(range(self.size)) - set(got))
                     ends = self.ends(missing)
