@@ -316,9 +316,8 @@ class Replicas:
         while set(got) < expected:
             if not self.poll(0.5):
                 dead = [key for key in expected - set(got) if not self.procs[key].is_alive()]
-                if dead and self.poll(0):  # what it sent just before it ended
-                    continue
-                if dead or time.monotonic() > deadline:
+                # a dead rank's last reports may be unread yet: read them before calling it silent
+                if dead and not self.poll(0) or time.monotonic() > deadline:
                     raise AssertionError(f"ranks {sorted(expected - set(got))} did not finish (dead: {dead})")
             got.update({key: self.rows[key] for key in self.finished if key in expected})
         return got

@@ -33,19 +33,18 @@ def test_one_and_two_ranks_give_the_same_first_step_and_the_loss_falls(straight_
     assert len(vals) == 4 and vals[-1] < vals[0] - 0.5  # validation loss falls visibly in 30 steps
 
 
-PIPELINED = [*STRAIGHT[:STRAIGHT.index("--steps")], "--pp", "2", "--nproc", "4", "--oversubscribe", "--grad-accum", "2"]
+PIPELINED = [*STRAIGHT[:STRAIGHT.index("--steps")], "--pp", "2", "--oversubscribe", "--grad-accum", "2"]
 
 
 def test_a_pipeline_of_two_stages_trains_and_resumes(tmp_path, capsys):
     """`fullshard train --pp 2 --nproc 4`: 2 stages of 2 data-parallel ranks through 1F1B, the
     same metrics and plot as any run; run again with more steps on 2 ranks (2 stages of 1), it
     resumes from its checkpoint. And `fullshard plan --pp 2` prices the stages and the bubble."""
-    first = finish(fullshard("train", *PIPELINED, "--steps", "4", "--ckpt-interval", "2", "--eval-interval", "2",
-                             "--out", str(tmp_path)))
+    first = finish(fullshard("train", *PIPELINED, "--nproc", "4", "--steps", "4", "--ckpt-interval", "2",
+                             "--eval-interval", "2", "--out", str(tmp_path)))
     assert "stage 1 of 2 (1F1B)" in first and "validation loss" in first
-    on_2 = [*PIPELINED[:PIPELINED.index("--nproc")], "--nproc", "2", *PIPELINED[PIPELINED.index("--nproc") + 2:]]
-    again = finish(fullshard("train", *on_2, "--steps", "6", "--ckpt-interval", "2", "--eval-interval", "2",
-                             "--out", str(tmp_path)))
+    again = finish(fullshard("train", *PIPELINED, "--nproc", "2", "--steps", "6", "--ckpt-interval", "2",
+                             "--eval-interval", "2", "--out", str(tmp_path)))
     assert "at step 4" in again and "stage 1 of 2 (1F1B)" in again
     rows = [r for r in metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 7))  # every step once

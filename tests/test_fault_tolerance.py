@@ -29,28 +29,6 @@ def by_step(rows: list[dict]) -> dict[int, dict]:
     return {row["step"]: row for row in committed(rows)}
 
 
-def says_and_ends(reports) -> None:
-    """A rank that reports its error and ends at once, as a failing rank does."""
-    reports.put(("error", 0, 0, "said as it ended"))
-
-
-def test_a_report_sent_as_a_rank_ended_is_read_though_the_test_saw_it_gone_first():
-    """The harness (tests/replicas.py): waiting for ranks to end reads what they sent before
-    they did. It once stopped reading when it found them gone, and a rank's named error, sent
-    just before, seemed never said (both groups losing a rank, under the suite's load)."""
-    replicas = Replicas(replicas=0)
-    try:
-        reports = replicas.ctx.Queue()
-        replicas.queues.append(reports)
-        rank = replicas.procs[0, 0] = replicas.ctx.Process(target=says_and_ends, args=(reports,))
-        rank.start()
-        rank.join(timeout=60)
-        replicas.wait_until(lambda: not rank.is_alive(), "the rank ending")
-        assert replicas.errors == {(0, 0): "said as it ended"}
-    finally:
-        replicas.close()
-
-
 @pytest.mark.parametrize("group_size", [1, 2])
 def test_the_recipe_is_fsdp2_with_torchft_bitwise_and_listens_only_on_the_bind_address(group_size):
     """2 replica groups x 1 and x 2 ranks, no failure: every loss and every parameter and

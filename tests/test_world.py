@@ -1,6 +1,7 @@
 """The test harness's worlds (tests/world.py): a rank that dies or hangs in a job is reported with
 how it ended and what it last wrote, so that a failure seen once in CI can be read, not guessed;
-a job that leaves a collective unmatched is named, not the job after it."""
+a job that leaves a collective unmatched is named, not the job after it; and what a rank of the
+fault-tolerance tests' replica groups (tests/replicas.py) said as it ended is read."""
 
 from __future__ import annotations
 
@@ -52,3 +53,29 @@ def test_a_job_that_leaves_a_collective_unmatched_is_named():
             world.run(unmatched_job)
         assert world.run(dist.get_rank) == [0, 1]  # a new world: the next job runs
     assert "unmatched_job" in str(left.value), left.value
+
+
+def says_and_ends(reports) -> None:
+    """A rank that reports its error and ends at once, as a failing rank does."""
+    reports.put(("error", 0, 0, "said as it ended"))
+
+
+def test_a_report_sent_as_a_rank_ended_is_read_though_the_test_saw_it_gone_first():
+    """The fault-tolerance tests' replica groups (tests/replicas.py): waiting for ranks to end
+    reads what they sent before they did. It once stopped reading when it found them gone, and
+    a rank's named error, sent just before, seemed never said (both groups losing a rank, under
+    the suite's load)."""
+    pytest.importorskip("torchft", reason="tests/replicas.py's groups run on torchft, fullshard[ft]'s")
+    from tests.replicas import Replicas
+
+    replicas = Replicas(replicas=0)
+    try:
+        reports = replicas.ctx.Queue()
+        replicas.queues.append(reports)
+        rank = replicas.procs[0, 0] = replicas.ctx.Process(target=says_and_ends, args=(reports,))
+        rank.start()
+        rank.join(timeout=60)
+        replicas.wait_until(lambda: not rank.is_alive(), "the rank ending")
+        assert replicas.errors == {(0, 0): "said as it ended"}
+    finally:
+        replicas.close()
