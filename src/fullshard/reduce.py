@@ -23,9 +23,9 @@ blocks, summed in float32 where they arrive), chosen by the unit's options
 # sum within the largest addend, and dividing the sum by the divisor times 2^-k gives bitwise
 # the plain sum's quotient (a power of two scales without rounding), except that addends below
 # 2^(k-126), float32 subnormals once scaled, lose their last bits. So: where rows are summed
-# in host memory, the plain sum is checked (its float64 sum, read by the host, is finite) and
-# only a row that overflowed (or holds an inf or NaN) is summed again, scaled; rows summed on
-# a device are scaled first, as NCCL's own average scales them; so are the rows NCCL sums
+# in host memory, the plain sum is checked (all_finite, read by the host) and only a row that
+# overflowed (or holds an inf or NaN) is summed again, scaled; rows summed on a device are
+# scaled first, as NCCL's own average scales them; so are the rows NCCL sums
 # (ReduceOp.SUM), and a row before gloo's all-reduce across replicas, whose inputs are gone
 # once it has summed. `Reducing.scale` is what the row was multiplied by, divided out at the
 # end.
@@ -270,7 +270,7 @@ class ReducePlan:
                     peers = (*before, *after)
                     for row in peers:
                         self.format.add(total, row, reducing.scale)
-                    if self.scale_on_overflow != 1 and not finite_sum(total):  # Note [no overflow]: once more, scaled
+                    if self.scale_on_overflow != 1 and not all_finite(total):  # Note [no overflow]: once more, scaled
                         reducing.scale = self.scale_on_overflow
                         torch.mul(reducing.own, reducing.scale, out=total)
                         for row in peers:
@@ -443,7 +443,7 @@ class Reductions:
         flags_at = row.numel() - len(plan.params)
         counts = self.counts
         if switches.nonfinite is not None:  # on the device: the root reads every unit's at once
-            finite = torch.isfinite(row.sum(dtype=torch.float64))  # one pass; a float64 sum cannot overflow
+            finite = all_finite(row)
             self.finite = finite if self.finite is None else self.finite & finite
         for kind, nbytes in reducing.traffic:
             counts[kind + "s"] += 1
@@ -523,10 +523,15 @@ def below(n: int) -> float:
     return 2.0 ** -math.ceil(math.log2(n)) if n > 1 else 1.0
 
 
-def finite_sum(row: torch.Tensor) -> bool:
-    """Whether a row in host memory holds no inf or NaN: its float64 sum, which cannot overflow,
-    read (one pass, where torch.isfinite(row).all() makes two and a bool copy)."""
-    return bool(torch.isfinite(row.sum(dtype=torch.float64)))
+def all_finite(row: torch.Tensor) -> torch.Tensor:
+    """Whether `row` holds no inf or NaN, as a bool on its device (read by the host only where
+    it must be). Its least and greatest values, one pass with no copy (a NaN reaches both):
+    a float64 sum, which cannot overflow either, makes a float64 copy of the row on a CPU
+    first, and torch.isfinite(row).all() a bool copy."""
+    if not row.numel():
+        return torch.ones((), dtype=torch.bool, device=row.device)
+    low, high = torch.aminmax(row)
+    return torch.isfinite(low) & torch.isfinite(high)
 
 
 def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
