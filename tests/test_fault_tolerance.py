@@ -445,7 +445,8 @@ def test_a_killed_replica_group_heals_and_one_restarted_too_late_trains_nothing_
     Then, in the same run, group 1 killed again 5 steps before the end: the live group finishes
     before the restarted one is up, so that one never finds a group to heal from. It takes no
     step alone (Note [rejoining first]; before, it trained the run again from step 1 for
-    LATE_GROUP_S and logged those rows a second time) and the launcher ends it: still every step
+    LATE_GROUP_S and logged those rows a second time) and the launcher ends it as soon as the live
+    group finished, saying so (Note [late groups]; before, after LATE_GROUP_S): still every step
     logged once.
 
     The same with DiLoCo syncing every 5 steps (docs/diloco.md): the rows of a sync's steps
@@ -458,6 +459,10 @@ def test_a_killed_replica_group_heals_and_one_restarted_too_late_trains_nothing_
     participants = [row["participants"] for row in rows[:195]]  # before the second kill
     fewer = [i for i, n in enumerate(participants) if n == 1 and i >= 19]
     assert fewer and all(n == 2 for n in participants[fewer[-1] + 1:]) and participants[-1] == 2, participants
+    if rows[-1]["participants"] == 1:  # restarted after the second kill, group 1 had not healed by the end
+        assert "replica group 1 was restarted too late to heal: another group finished --steps first; " \
+               "ending it" in err, err[-3000:]
+    assert "s after another finished --steps" not in err, err[-3000:]
 
 
 @pytest.mark.parametrize("args, words", [

@@ -33,8 +33,14 @@ rejoins (docs/fault-tolerance.md; Note [rejoining first] in replica.py). When no
 by a signal (SIGKILL, the OOM killer, a crash in native code) is restarted: one that exits
 with 2 or 3 said why (a bad argument, a refused heal), one that exits with 1 raised an
 exception, and a restart would do the same again: the run ends with it. Groups in step finish
-together; one still running LATE_GROUP_S after another finished (restarted too late to rejoin)
-is ended, and the run ends well.
+together (Note [late groups]).
+
+Note [late groups]: a group restarted while another was alive heals from it before it trains
+(Note [rejoining first] in replica.py); its ranks then create <their store file>.healed, in the
+run's own directory. Once one group has finished --steps, a restarted group without that file
+never will heal (there is no step left to heal into): it is ended at once, with a line saying
+so, and the run ends well. A group that healed finishes the last step with the others; one
+still running LATE_GROUP_S after another finished is ended all the same.
 
 Note [exit status]: 0 when every rank ended well; a rank's own status when it failed
 with one (2: bad arguments, 3: a FullShardError while training; the rank printed the
@@ -80,7 +86,8 @@ REPLICA = "FULLSHARD_REPLICA"  # set for a replica group's ranks: the group's in
 REJOINING = "FULLSHARD_REJOINING"  # set for a group restarted while another is alive: it heals before it trains
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 END_GRACE_S = 10  # a rank told to end (SIGTERM) that is still there after this is killed
-LATE_GROUP_S = 5  # a replica group not done this long after another finished --steps is ended
+LATE_GROUP_S = 5  # a healed replica group not done this long after another finished --steps is ended
+HEALED = ".healed"  # after a rejoining group's store file: it healed (Note [late groups])
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -135,10 +142,15 @@ def launch_replicas(command: list[str], nproc: int, replicas: int, bind: str, ma
     stops: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
 
+    unhealed: dict[int, str] = {}  # a rejoining group's healed file, until it is there (Note [late groups])
+
     def start(group: int, attempt: int, rejoining: bool = False) -> list[subprocess.Popen]:
         store = os.path.join(rendezvous, f"replica-{group}-attempt-{attempt}")
         env = {**replica_env(bind), REPLICA: str(group), REJOINING: "1" if rejoining else "0",
                "TORCHFT_LIGHTHOUSE": lighthouse.address()}
+        unhealed.pop(group, None)
+        if rejoining:
+            unhealed[group] = store + HEALED
         return [subprocess.Popen(command, env={**rank_env(rank, size, store, attempt), **env}, start_new_session=True)
                 for rank in range(size)]
 
@@ -152,8 +164,18 @@ def launch_replicas(command: list[str], nproc: int, replicas: int, bind: str, ma
                 return 0
             if finished_at is None and any(all(s == 0 for s in group) for group in statuses):
                 finished_at = time.monotonic()
-            if finished_at is not None and time.monotonic() > finished_at + LATE_GROUP_S:
-                return 0  # a group restarted too late to rejoin: the run is done without it (finally: ended)
+            if finished_at is not None:  # Note [late groups]
+                for group, healed in list(unhealed.items()):
+                    if os.path.exists(healed):
+                        del unhealed[group]
+                running = [group for group, each in enumerate(statuses) if any(s is None for s in each)]
+                late = time.monotonic() > finished_at + LATE_GROUP_S
+                if running and (late or all(group in unhealed for group in running)):
+                    for group in running:
+                        why = "was restarted too late to heal: another group finished --steps first" \
+                            if group in unhealed else f"was not done {LATE_GROUP_S} s after another finished --steps"
+                        print(f"fullshard: replica group {group} {why}; ending it", file=sys.stderr, flush=True)
+                    return 0  # the run is done without them (finally: ended)
             for group, ranks in enumerate(groups):
                 ended = [(k, s) for k, s in enumerate(statuses[group]) if s not in (None, 0)]
                 if not ended:
@@ -240,6 +262,11 @@ def process_start(pid: int) -> str:
     except PermissionError:
         pass
     return "alive"
+
+
+def report_healed() -> None:
+    """In a rank of a rejoining group, once it healed: tell the launcher (Note [late groups])."""
+    os.close(os.open(os.environ[STORE_FILE] + HEALED, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
 
 def rank_env(rank: int, nproc: int, store: str, attempt: int) -> dict[str, str]:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import fullshard
 from fullshard import ft
 from fullshard.cli.config import TrainConfig, gpt_dims
-from fullshard.cli.launcher import REJOINING, REPLICA
+from fullshard.cli.launcher import REJOINING, REPLICA, report_healed
 from fullshard.cli.replica_diloco import diloco_loop
 from fullshard.cli.run_log import append_log
 from fullshard.cli.trainer import (Run, build, diloco, diloco_setting, evaluate, join_job, report, sample, share,
@@ -115,7 +115,9 @@ def train_loop(run: Run, manager: ft.Manager, log, ckpt: Path) -> bool:
         if rejoining and step == start and manager.num_participants() <= 1 and time.monotonic() < deadline:
             time.sleep(0.05)  # alone, behind the run: no step until a live group is there (Note [rejoining first])
             continue
-        rejoining = False
+        if rejoining:  # healed (or alone for good): before this step, which the live groups cannot commit without it
+            report_healed()
+            rejoining = False
         writer = manager.participating_rank() == 0 and log is not None
         record = train_step(run, step, comm_stats, manager)
         if manager.current_step() == step:  # not committed: redone with the next quorum

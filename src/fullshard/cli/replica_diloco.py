@@ -28,7 +28,7 @@ from pathlib import Path
 import fullshard
 from fullshard import ft
 from fullshard.cli.config import gpt_dims
-from fullshard.cli.launcher import REJOINING
+from fullshard.cli.launcher import REJOINING, report_healed
 from fullshard.cli.trainer import Run, evaluate, train_step
 
 
@@ -43,11 +43,15 @@ def diloco_loop(run: Run, manager: ft.Manager, log, ckpt: Path, group: int) -> b
     if rejoining:  # take part in the live groups' next sync now, healing in it, not after H steps of its own
         diloco.sync_managed()
         rejoining = diloco.steps == 0  # not healed: alone
+        if not rejoining:
+            report_healed()
     while diloco.steps < cfg.steps:
         step, syncs = diloco.steps, manager.current_step()
         record = train_step(run, step, comm_stats, part=(group, cfg.replicas))
         done = diloco.steps
         if done != step + 1:  # healed in this step's sync: the live groups' state and step replace ours
+            if rejoining:
+                report_healed()
             kept, rejoining = [], False
         else:
             if done % cfg.eval_interval == 0 or done == cfg.steps:
@@ -60,6 +64,8 @@ def diloco_loop(run: Run, manager: ft.Manager, log, ckpt: Path, group: int) -> b
         if synced and rejoining and diloco.participants <= 1:  # alone: the live groups logged these steps
             kept = []
         elif synced or (done == cfg.steps and not rejoining):
+            if rejoining:  # synced with company
+                report_healed()
             rejoining = False
             place = manager.participating_rank() if manager.current_step() else group  # before any sync: its own
             writer = place == 0 and log is not None
