@@ -26,6 +26,7 @@ and each figure's ratio to FSDP2's.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -215,13 +216,18 @@ def worker(args: argparse.Namespace) -> None:
             "rss": max(g[1].item() for g in gathered), "sent": sent, "loss": losses[-1], "syncs": syncs}))
     if distributed:
         dist.barrier()
+        # Note [exit] in fullshard/mesh.py, for every implementation: torch's FSDP2 too sits in
+        # reference cycles, and a gloo group it holds freed in the interpreter's shutdown aborts
+        # now and then (twice in a row in one bench on 2026-12-05, which ended it); freed here
+        model = optimizer = None
+        gc.collect()
         dist.destroy_process_group()
 
 
 def launch(impl: str, preset: str, dtype: str, steps: int, warmup: int) -> dict:
     """One fresh run; a run that crashes is tried once more and the retry is reported (a
-    gloo process group freed during the interpreter's shutdown aborts now and then; since
-    Note [exit] in fullshard/mesh.py no run here has)."""
+    gloo process group freed during the interpreter's shutdown aborts now and then: Note
+    [exit] in fullshard/mesh.py, which `worker` follows)."""
     try:
         return launch_once(impl, preset, dtype, steps, warmup)
     except RuntimeError as e:
