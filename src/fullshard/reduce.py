@@ -530,8 +530,7 @@ def all_finite(row: torch.Tensor) -> torch.Tensor:
     first, and torch.isfinite(row).all() a bool copy."""
     if not row.numel():
         return torch.ones((), dtype=torch.bool, device=row.device)
-    low, high = torch.aminmax(row)
-    return torch.isfinite(low) & torch.isfinite(high)
+    return torch.isfinite(torch.stack(torch.aminmax(row))).all()
 
 
 def all_reduce_bytes(numel: int, element_size: int, size: int) -> int:
