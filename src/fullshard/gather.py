@@ -149,6 +149,7 @@ class GatherPlan:
         self.after = [f for f in formats if not f.static or f.needs_after]
         self.fixed_outputs = None
         self.fixed_outputs = None if self.dynamic else self.outputs()  # views of the storage: they stay valid
+        self.fixed_rows = None  # of fixed outputs: made at the first gather (a view needs the storage's memory)
 
     def route(self, numel: int) -> Route:
         route = self.routes.get(numel)
@@ -162,6 +163,14 @@ class GatherPlan:
         if self.fixed_outputs is not None:
             return self.fixed_outputs
         return [out.view(torch.uint8) if self.as_bytes else out for f in self.formats for out in f.outputs(self.small)]
+
+    def rows(self) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Where a gather puts each output's rows ([world, size] each): the sizes, and the rows of the
+        ranks before this one, of those after it, and this rank's own."""
+        outs = [out.view(self.world, -1) for out in self.outputs()]
+        rank = self.group.rank() if self.group is not None else 0
+        return [out.size(1) for out in outs], [out[:rank] for out in outs], [out[rank + 1 :] for out in outs], \
+            [out[rank] for out in outs]
 
     def issue(self, shards: list[torch.Tensor], pool: BufferPool, what: str, timeout) -> Gathering:
         """Start gathering this rank's `shards` (one per format; the 1/k copy alone for `small`),
@@ -226,19 +235,19 @@ class GatherPlan:
     def finish(self, gathering: Gathering, pool: BufferPool) -> None:
         """Wait for the gather and rebuild the full parameters, Note [gather streams] 3. Raises
         the route's CollectiveError (a timeout, another collective's rows)."""
-        outs = [out.view(self.world, -1) for out in self.outputs()]  # each [world, size]
-        sizes = [out.size(1) for out in outs]
+        where = self.fixed_rows or self.rows()
+        if not self.dynamic:
+            self.fixed_rows = where
+        sizes, befores, afters, owns = where
         route = self.route(sum(sizes))
         streams = stream_runtime(self.cpu)
         stream = streams.side_stream(self.device, "gather") if streams is not None else None
         with streams.use(stream) if streams is not None else NOTHING, torch.no_grad():
             before, after = route.finish(gathering.flight)
-            rank = route.rank
-            for rows, first in ((before, 0), (after, rank + 1)):
+            for rows, outs in ((before, befores), (after, afters)):
                 if rows.size(0):
-                    torch.split_with_sizes_copy(rows, sizes, dim=1,
-                                                out=[out[first : first + rows.size(0)] for out in outs])
-            torch.split_with_sizes_copy(gathering.payload, sizes, out=[out[rank] for out in outs])
+                    torch.split_with_sizes_copy(rows, sizes, dim=1, out=outs)
+            torch.split_with_sizes_copy(gathering.payload, sizes, out=owns)
         if streams is not None:
             streams.wait_stream(streams.current_stream(self.device), stream)
         with torch.no_grad():
