@@ -329,6 +329,8 @@ class AllToAll(Route):
             assert self.row <= RECEIVE_CAPACITY, f"an all_to_all row of {self.row} bytes"
             self.capacities = [RECEIVE_CAPACITY] * self.world
             self.capacities[self.rank] = self.row  # this rank's own row: gloo copies it, as long as sent
+            self.received_bytes, self.rows_sent = sum(self.capacities), [self.row] * self.world
+            self.headers = self.header.view(torch.uint8).expand(self.world, -1)  # one per row, as bytes
             stride = RECEIVE_CAPACITY // dtype.itemsize  # of the peers' rows in a receive buffer, in elements
             after = (self.rank * RECEIVE_CAPACITY + self.row) // dtype.itemsize
             self.rows_before = ((self.rank, self.lead + numel), (stride, 1), 0)
@@ -340,10 +342,10 @@ class AllToAll(Route):
             received = pool.take((self.world, self.numel), self.dtype, self.device)
             work = dist.all_to_all_single(received, sent, group=self.group, async_op=True)
             return Flight(issued([work], reads=[sent], writes=[received]), received, sent, what, timeout)
-        sent.view(torch.uint8)[:, :HEADER_BYTES].copy_(self.header.view(torch.uint8).expand(self.world, -1))
+        sent.view(torch.uint8)[:, :HEADER_BYTES].copy_(self.headers)
         received = pool.take((self.world * RECEIVE_CAPACITY,), torch.uint8, self.device)  # any row fits
-        work = dist.all_to_all_single(received[: sum(self.capacities)], sent.view(torch.uint8).view(-1),
-                                      self.capacities, [self.row] * self.world, group=self.group, async_op=True)
+        work = dist.all_to_all_single(received[: self.received_bytes], sent.view(torch.uint8).view(-1),
+                                      self.capacities, self.rows_sent, group=self.group, async_op=True)
         return Flight(issued([work], reads=[sent], writes=[received]), received, sent, what, timeout)
 
     def send_buffer(self, pool, rows):
