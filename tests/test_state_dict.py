@@ -243,6 +243,7 @@ def export_job(path: str, outputs: str) -> None:
 
 PLAIN_LOAD = """
 import sys, torch
+torch.set_num_threads(1)  # as the ranks that computed the saved logits: the same kernels, so bitwise the same
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
 model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_positions=8, n_embd=24, n_layer=2, n_head=2,  # tests.models.hf_gpt2
