@@ -50,9 +50,7 @@ def diloco_loop(run: Run, manager: ft.Manager, log, ckpt: Path, group: int) -> b
         record = train_step(run, step, comm_stats, part=(group, cfg.replicas))
         done = diloco.steps
         if done != step + 1:  # healed in this step's sync: the live groups' state and step replace ours
-            if rejoining:
-                report_healed()
-            kept, rejoining = [], False
+            kept = []
         else:
             if done % cfg.eval_interval == 0 or done == cfg.steps:
                 record["val_loss"] = evaluate(run)
@@ -61,12 +59,12 @@ def diloco_loop(run: Run, manager: ft.Manager, log, ckpt: Path, group: int) -> b
             last = now
             kept.append(record)
         synced = manager.current_step() > syncs
-        if synced and rejoining and diloco.participants <= 1:  # alone: the live groups logged these steps
+        if rejoining and (done != step + 1 or synced and diloco.participants > 1):  # healed, or synced with company
+            report_healed()
+            rejoining = False
+        if synced and rejoining:  # alone: the live groups logged these steps
             kept = []
         elif synced or (done == cfg.steps and not rejoining):
-            if rejoining:  # synced with company
-                report_healed()
-            rejoining = False
             place = manager.participating_rank() if manager.current_step() else group  # before any sync: its own
             writer = place == 0 and log is not None
             for row in kept:
