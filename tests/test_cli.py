@@ -173,7 +173,8 @@ def test_bad_arguments_exit_with_one_line(monkeypatch, capsys, tmp_path, args, s
 def test_more_ranks_than_gpus_are_refused_by_name(monkeypatch, capsys, tmp_path):
     for var in (*cli.TORCHRUN_VARS, launcher.LAUNCHER_PID):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "cuda_gpus", lambda: 1)  # the launcher's count (a CUDA build of torch's)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the rank's
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(cli, "launch", lambda *a: pytest.fail("ranks started"))
     assert exit_status(["train", "--nproc", "2", "--out", str(tmp_path)]) == 2
@@ -250,7 +251,7 @@ LAUNCHER_CHECK = """
 import json, sys
 from fullshard import cli
 
-HEAVY = ("torch.distributed.tensor", "torch._dynamo", "fullshard.api", "fullshard.cli.trainer")
+HEAVY = ("torch", "torch.distributed.tensor", "torch._dynamo", "fullshard.api", "fullshard.cli.trainer")
 seen = {}
 cli.launch = lambda command, nproc, restarts: seen.update(heavy=[m for m in HEAVY if m in sys.modules]) or 0
 status = cli.main(["train", "--preset", "tiny", "--steps", "1", "--out", sys.argv[1]])
@@ -258,20 +259,23 @@ print(json.dumps({"status": status, **seen}))
 """
 
 
-def test_the_launcher_imports_torch_alone(tmp_path):
-    """A local run's launcher passes every check and starts the ranks having imported torch (its
-    GPU count) but not the library, DTensor or dynamo (1.5 CPU-seconds less a run than when
-    `import fullshard` imported everything; the package's names load on first use:
-    test_design.py)."""
+def test_the_launcher_starts_the_ranks_without_torch_on_a_cpu_build(tmp_path):
+    """A local run's launcher passes every check and starts the ranks having imported neither the
+    library, DTensor nor dynamo, nor, with a build of torch for CPUs alone, torch itself (1.1
+    CPU-seconds, and as long before the ranks start, at 2 cores): a CUDA build's launcher imports
+    torch to count the GPUs. (The package's names load on first use: test_design.py.)"""
     import json
     import subprocess
+
+    import torch
 
     from tests.world import child_pythonpath
     run = subprocess.run([sys.executable, "-c", LAUNCHER_CHECK, str(tmp_path)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": child_pythonpath()}, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.splitlines()[-1])
-    assert got["status"] == 0 and got["heavy"] == [], got
+    cpu_build = torch.version.cuda is None and torch.version.hip is None
+    assert got["status"] == 0 and got["heavy"] == ([] if cpu_build else ["torch"]), got
 
 
 # ---- the launcher of local runs (fullshard.cli.launcher), with stand-in ranks -------------------

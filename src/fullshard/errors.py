@@ -1,7 +1,5 @@
 """The one exception users see from fullshard, and how its messages are built."""
 
-import torch.distributed as dist
-
 RESTART = ("Every rank must make the same call at the same point; another rank did not, or died. Restart the job "
            "(fullshard train --max-restarts N resumes from the last checkpoint).")
 # what a rank whose collective failed is told to do, Note [named hangs]
@@ -43,6 +41,8 @@ def collective_failed(what: str, error: Exception, fix: str = RESTART, timeout=N
     unit 'h.0' at step 3") did not finish (within `timeout`, a timedelta, when given) with
     `error`. An error that names the collective itself (runtime.OverdueCollective: another
     collective the hang watch saw overdue) is said as it is."""
+    import torch.distributed as dist  # not at the top: the launcher of a run imports this file, and no torch
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     if getattr(error, "names_the_collective", False):
         return fail(f"rank {rank}: {error}", fix)

@@ -46,7 +46,8 @@ from fullshard.gpt import GPT, GPTConfig
 from fullshard.low_precision import sent_bytes
 from fullshard.optim import muon_groups, newton_schulz_flops
 from fullshard.param import shard_numel
-from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from fullshard.strategies import STRATEGIES
 from fullshard.blocks import BLOCK
 from fullshard.quantize import quantized_bytes
 from fullshard.accounting import process_memory, return_freed_memory

@@ -90,16 +90,6 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-# Strategy name -> how shard_model calls fully_shard. "mesh_dims" names the roles of the
-# data-parallel mesh: parameters are sharded over "shard" and replicated over "replicate".
-STRATEGIES = {
-    "full_shard": {"reshard_after_forward": True, "mesh_dims": ("shard",)},
-    "shard_grad_op": {"reshard_after_forward": False, "mesh_dims": ("shard",)},
-    "hybrid_shard": {"reshard_after_forward": True, "mesh_dims": ("replicate", "shard")},
-    "no_shard": {"reshard_after_forward": False, "mesh_dims": ("replicate",)},
-}
-
-
 def from_torch_policy(policy):
     """FSDP2's own MixedPrecisionPolicy or offload policy (a script importing them from torch)
     as fullshard's, field for field; anything else as it is."""

@@ -1,7 +1,7 @@
 """shard_model(): the FSDP paper's whole-model conveniences on top of fully_shard.
 
 It decides which modules become units (wrap policy), turns the strategy name into
-fully_shard arguments (policy.STRATEGIES), and calls fully_shard bottom-up.
+fully_shard arguments (strategies.STRATEGIES), and calls fully_shard bottom-up.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from fullshard.init import shard_unit
 from fullshard.options import Schedule
 from fullshard.materialize import check_initializable, has_meta, materialize, sync_eager
 from fullshard.mesh import build_mesh, compute_device, mesh_roles, shard_group
-from fullshard.policy import STRATEGIES, CPUOffloadPolicy, MixedPrecisionPolicy, checked_policies
+from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, checked_policies
+from fullshard.strategies import STRATEGIES
 
 WrapPolicy = Iterable[type] | int | Callable[[nn.Module, str], bool] | None
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from fullshard.errors import EveryRankError, FullShardError
 from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch, launch_replicas
-from fullshard.cli.config import (TrainConfig, add_config_args, available_memory, fatal, gpt_dims, memory_problem,
-                                    parse_bytes, pipeline_problem, plan_problem, problem, unused_problem, version)
+from fullshard.cli.config import (TrainConfig, add_config_args, available_memory, cuda_gpus, fatal, gpt_dims,
+                                    memory_problem, parse_bytes, pipeline_problem, plan_problem, problem,
+                                    unused_problem, version)
 from fullshard.cli.run_log import open_log
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -73,14 +74,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_local_run(cfg: TrainConfig, argv: list[str]) -> int:
     """Check what depends on the rank count, hold the run directory, and start the ranks."""
-    import torch
-
-    nproc = cfg.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        return fatal(f"--nproc {nproc} is more than the {torch.cuda.device_count()} GPUs here: each rank takes a "
-                     f"GPU of its own. Pass --nproc {torch.cuda.device_count()} or fewer")
+    gpus = cuda_gpus()
+    nproc = cfg.nproc or gpus or 2
+    if gpus and nproc > gpus:
+        return fatal(f"--nproc {nproc} is more than the {gpus} GPUs here: each rank takes a GPU of its own. "
+                     f"Pass --nproc {gpus} or fewer")
     cores = os.cpu_count() or 1
-    if not torch.cuda.is_available() and nproc > cores and not cfg.oversubscribe:
+    if not gpus and nproc > cores and not cfg.oversubscribe:
         return fatal(f"--nproc {nproc} is more than the {cores} CPU cores here; pass --oversubscribe to run anyway")
     if (message := unused_problem(cfg, nproc, nproc // cfg.replicas)) is not None:  # shard groups: a replica group
         return fatal(message)

@@ -39,7 +39,7 @@ def opt(default, help: str, **kwargs):
 @dataclass
 class TrainConfig:
     # model
-    preset: str = opt("small", "model size: tiny, small, 15m or 100m (fullshard.gpt.PRESETS)")
+    preset: str = opt("small", "model size: tiny, small, 15m or 100m (fullshard.gpt_config.PRESETS)")
     n_layer: int | None = opt(None, "override the preset's number of blocks")
     n_embd: int | None = opt(None, "override the preset's width")
     n_head: int | None = opt(None, "override the preset's attention heads")
@@ -210,8 +210,8 @@ def replica_problem(cfg: TrainConfig) -> str | None:
 
 def choice_problem(cfg: TrainConfig) -> str | None:
     """An option that names something unknown."""
-    from fullshard.gpt import PRESETS
-    from fullshard.policy import STRATEGIES
+    from fullshard.gpt_config import PRESETS
+    from fullshard.strategies import STRATEGIES
 
     choices = {"preset": tuple(PRESETS), "strategy": tuple(STRATEGIES), "precision": ("fp32", "bf16", "fp16"),
                "nonfinite": ("raise", "skip", "off"), "backward_prefetch": ("pre", "post", "none"),
@@ -330,7 +330,7 @@ def memory_problem(cfg: TrainConfig, world: int, available: int, where: str) -> 
     gradients and AdamW state (16 bytes a parameter over the ranks), the activations of one
     micro-batch (at least 8 floats per token per block, and the logits) and each rank's
     runtime; a lower bound, so a run refused here could not have run."""
-    from fullshard.gpt import GPTConfig, parameter_count
+    from fullshard.gpt_config import GPTConfig, parameter_count
 
     dims = gpt_dims(cfg)
     params = parameter_count(GPTConfig(block_size=cfg.seq_len, vocab_size=256, **dims))
@@ -344,6 +344,29 @@ def memory_problem(cfg: TrainConfig, world: int, available: int, where: str) -> 
             f"per rank), more than the {in_bytes(available)} {where}. Train a smaller model (--preset, "
             f"--n-layer, --n-embd), on fewer tokens per micro-batch (--global-batch, --seq-len, --grad-accum), or "
             f"with fewer ranks here")
+
+
+def cuda_gpus() -> int:
+    """The GPUs torch can use here. A build of torch for CPUs alone (torch.version.cuda and .hip
+    None) can use none; that is read from its version file, without importing torch (a
+    CPU-second at every launch, on machines where the ranks need every core)."""
+    import ast
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("torch")
+    try:
+        with open(os.path.join(spec.submodule_search_locations[0], "version.py")) as f:
+            version = f.read()
+        values = {node.target.id: ast.literal_eval(node.value) for node in ast.parse(version).body
+                  if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value}
+    except (AttributeError, TypeError, IndexError, OSError, SyntaxError, ValueError):
+        values = {}
+    if "cuda" in values and "hip" in values and values["cuda"] is None and values["hip"] is None:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def available_memory() -> int:
@@ -362,7 +385,7 @@ def available_memory() -> int:
 
 def plan_problem(args: argparse.Namespace, budget: int | None) -> str | None:
     """What is wrong with `fullshard plan`'s arguments, in one line; None when nothing is."""
-    from fullshard.gpt import PRESETS, GPTConfig, parameter_count
+    from fullshard.gpt_config import PRESETS, GPTConfig, parameter_count
 
     if args.preset not in PRESETS:
         return f"unknown --preset {args.preset!r}; choose one of {', '.join(PRESETS)}"
@@ -409,7 +432,7 @@ def parse_bytes(text: str) -> int | None:
 
 def gpt_dims(options: TrainConfig | argparse.Namespace) -> dict[str, int]:
     """The preset's GPT dimensions, with any of --n-layer, --n-embd, --n-head given instead."""
-    from fullshard.gpt import PRESETS
+    from fullshard.gpt_config import PRESETS
 
     given = {k: v for k in ("n_layer", "n_embd", "n_head") if (v := getattr(options, k)) is not None}
     return {**PRESETS[options.preset], **given}

@@ -36,7 +36,8 @@ from fullshard.cli.run_log import latest_rows, open_log, plot, read_rows, summar
 from fullshard.collectives import all_gather_ints, all_reduce_
 from fullshard.errors import CollectiveError, EveryRankError, FullShardError, collective_failed, fail
 from fullshard.accounting import return_freed_memory
-from fullshard.gpt import GPT, Block, GPTConfig, parameter_count
+from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.gpt_config import parameter_count
 
 NCCL_WATCHDOG_GRACE = timedelta(seconds=60)  # Note [cli deadlines]
 
