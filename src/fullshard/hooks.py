@@ -362,11 +362,11 @@ class UnitHooks:
         scheduler.record(self.unit)
         self.unit.unshard(adopt=False)  # the root's start_forward scanned, Note [replaced parameters]
         scheduler.prefetch_forward(self.unit, self.forward_targets)
+        if torch.is_grad_enabled():  # while the gather is in flight: the hook needs only the inputs
+            self.unit.expects_post_backward = True
+            args, kwargs = self.attach_post_backward(args, kwargs)
         self.unit.wait_unshard(adopt=False)
-        if not torch.is_grad_enabled():
-            return args, kwargs
-        self.unit.expects_post_backward = True
-        return self.attach_post_backward(args, kwargs)
+        return args, kwargs
 
     def attach_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         inputs: list[torch.Tensor] = []  # in the order map_tensors meets them below
