@@ -362,10 +362,12 @@ class UnitHooks:
         scheduler.record(self.unit)
         self.unit.unshard(adopt=False)  # the root's start_forward scanned, Note [replaced parameters]
         scheduler.prefetch_forward(self.unit, self.forward_targets)
-        if torch.is_grad_enabled():  # while the gather is in flight: the hook needs only the inputs
-            self.unit.expects_post_backward = True
+        grad = torch.is_grad_enabled()
+        if grad:  # while the gather is in flight: the hook needs only the inputs
             args, kwargs = self.attach_post_backward(args, kwargs)
-        self.unit.wait_unshard(adopt=False)
+        self.unit.wait_unshard(adopt=False)  # may raise: the unit then expects no post-backward, as before it
+        if grad:
+            self.unit.expects_post_backward = True
         return args, kwargs
 
     def attach_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
