@@ -133,7 +133,7 @@ def test_a_script_whose_last_background_save_fails_at_exit_exits_with_1(tmp_path
 
 
 DESTROYING = """
-    import sys, time
+    import sys, threading
     import torch, torch.distributed as dist
     import fullshard
     from fullshard.checkpoint import background
@@ -144,10 +144,11 @@ DESTROYING = """
     torch.manual_seed(0)
     model = fullshard.shard_model(GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)),
                                   wrap={Block})
-    start = background.start  # the writer waits a moment, so the groups are gone before it writes
-    background.start = lambda what, write: start(what, lambda: (time.sleep(1.0), write()))
+    start, gone = background.start, threading.Event()  # the writer waits until the groups are gone
+    background.start = lambda what, write: start(what, lambda: (gone.wait(60), write()))
     handle = fullshard.save(sys.argv[1], model, step=1, block=False)
     dist.destroy_process_group()
+    gone.set()
     try:
         handle.result()
         print("saved")

@@ -116,6 +116,7 @@ def serve(rank: int, size: int, port: int, jobs: mp.Queue, results: mp.Queue, lo
     dist.destroy_process_group()
 
 
+STACKS = "most recent call first"  # faulthandler's line before each thread's stack
 FENCE = 0x6E6F6E65  # a job's after-check: a number no job's collective sends
 
 
@@ -231,19 +232,26 @@ class World:
         """Where each of `ranks` (that did not answer) is: dead, with its exit code or signal, or
         stuck, with its Python stacks; and the end of its stderr."""
         stuck = [r for r in ranks if self.procs[r].is_alive()]
+        dumps = {r: self.log(r).count(STACKS) for r in stuck}
         for rank in stuck:
             os.kill(self.procs[rank].pid, signal.SIGUSR1)
-        if stuck:
-            time.sleep(1)  # the stacks are written by the rank's signal handler
+        deadline = time.monotonic() + 5
+        while any(self.log(r).count(STACKS) == n for r, n in dumps.items()) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the rank's signal handler writes its stacks to its log
         said = []
         for rank in ranks:
             code = self.procs[rank].exitcode
             how = ("stuck (its stacks are below)" if code is None else
                    f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
             log = os.path.join(self.logs.name, f"rank{rank}.log")
-            last = open(log, errors="replace").read()[-3000:] if os.path.exists(log) else "(nothing: it never started)"
+            last = self.log(rank)[-3000:] if os.path.exists(log) else "(nothing: it never started)"
             said.append(f"\n--- rank {rank}: {how}; its stderr ends:\n{last}")
         return "".join(said)
+
+    def log(self, rank: int) -> str:
+        """What `rank` has written to its stderr so far."""
+        path = os.path.join(self.logs.name, f"rank{rank}.log")
+        return open(path, errors="replace").read() if os.path.exists(path) else ""
 
     def restart(self) -> None:
         self.kill()
