@@ -200,6 +200,10 @@ class World:
     def collect(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
         """Run `fn` on every rank; each rank's return value, or an AssertionError with each failure."""
         self.submit(fn, **kwargs)
+        return self.answers(fn)
+
+    def answers(self, fn: Callable[..., Any]) -> list[Any]:
+        """Each rank's return value of the `fn` submitted, or an AssertionError with each failure."""
         got: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + self.job_timeout_s
         while len(got) < self.size:
