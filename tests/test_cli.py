@@ -261,9 +261,10 @@ print(json.dumps({"status": status, **seen}))
 
 def test_the_launcher_starts_the_ranks_without_torch_on_a_cpu_build(tmp_path):
     """A local run's launcher passes every check and starts the ranks having imported neither the
-    library, DTensor nor dynamo, nor, with a build of torch for CPUs alone, torch itself (1.1
-    CPU-seconds, and as long before the ranks start, at 2 cores): a CUDA build's launcher imports
-    torch to count the GPUs. (The package's names load on first use: test_design.py.)"""
+    library, DTensor nor dynamo, nor, with a build of torch for CPUs alone, torch itself (1.3-1.5
+    s and CPU-seconds less of a one-step run at 2 cores: docs/benchmarks.md): a CUDA build's
+    launcher imports torch to count the GPUs. (The package's names load on first use:
+    test_design.py.)"""
     import json
     import subprocess
 
