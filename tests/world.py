@@ -165,8 +165,7 @@ class World:
         self.results = ctx.Queue()
         self.logs = tempfile.TemporaryDirectory(prefix="world-")
         self.procs = [ctx.Process(target=serve, args=(rank, self.size, port, self.jobs[rank], self.results,
-                                                      os.path.join(self.logs.name, f"rank{rank}.log"),
-                                                      self.collective_timeout_s), daemon=True)
+                                                      self.log_path(rank), self.collective_timeout_s), daemon=True)
                       for rank in range(self.size)]
         for proc in self.procs:
             proc.start()
@@ -247,14 +246,16 @@ class World:
             code = self.procs[rank].exitcode
             how = ("stuck (its stacks are below)" if code is None else
                    f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
-            log = os.path.join(self.logs.name, f"rank{rank}.log")
-            last = self.log(rank)[-3000:] if os.path.exists(log) else "(nothing: it never started)"
+            last = self.log(rank)[-3000:] if os.path.exists(self.log_path(rank)) else "(nothing: it never started)"
             said.append(f"\n--- rank {rank}: {how}; its stderr ends:\n{last}")
         return "".join(said)
 
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.logs.name, f"rank{rank}.log")
+
     def log(self, rank: int) -> str:
         """What `rank` has written to its stderr so far."""
-        path = os.path.join(self.logs.name, f"rank{rank}.log")
+        path = self.log_path(rank)
         return open(path, errors="replace").read() if os.path.exists(path) else ""
 
     def restart(self) -> None:

@@ -166,11 +166,16 @@ class GatherPlan:
 
     def rows(self) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Where a gather puts each output's rows ([world, size] each): the sizes, and the rows of the
-        ranks before this one, of those after it, and this rank's own."""
+        ranks before this one, of those after it, and this rank's own (kept, as fixed_outputs are)."""
+        if self.fixed_rows is not None:
+            return self.fixed_rows
         outs = [out.view(self.world, -1) for out in self.outputs()]
         rank = self.group.rank() if self.group is not None else 0
-        return [out.size(1) for out in outs], [out[:rank] for out in outs], [out[rank + 1 :] for out in outs], \
+        rows = [out.size(1) for out in outs], [out[:rank] for out in outs], [out[rank + 1 :] for out in outs], \
             [out[rank] for out in outs]
+        if not self.dynamic:
+            self.fixed_rows = rows
+        return rows
 
     def issue(self, shards: list[torch.Tensor], pool: BufferPool, what: str, timeout) -> Gathering:
         """Start gathering this rank's `shards` (one per format; the 1/k copy alone for `small`),
@@ -235,10 +240,7 @@ class GatherPlan:
     def finish(self, gathering: Gathering, pool: BufferPool) -> None:
         """Wait for the gather and rebuild the full parameters, Note [gather streams] 3. Raises
         the route's CollectiveError (a timeout, another collective's rows)."""
-        where = self.fixed_rows or self.rows()
-        if not self.dynamic:
-            self.fixed_rows = where
-        sizes, befores, afters, owns = where
+        sizes, befores, afters, owns = self.rows()
         route = self.route(sum(sizes))
         streams = stream_runtime(self.cpu)
         stream = streams.side_stream(self.device, "gather") if streams is not None else None

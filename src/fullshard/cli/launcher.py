@@ -39,8 +39,9 @@ Note [late groups]: a group restarted while another was alive heals from it befo
 (Note [rejoining first] in replica.py); its ranks then create <their store file>.healed, in the
 run's own directory (as they do when they stop waiting and go on alone). Once one group has
 finished --steps, a restarted group without that file never will heal (there is no step left
-to heal into): it is ended at once, with a line saying so, and the run ends well. A group that healed finishes the last step with the others; one
-still running LATE_GROUP_S after another finished is ended all the same.
+to heal into): it is ended at once, with a line saying so, and the run ends well. A group that
+healed finishes the last step with the others; one still running LATE_GROUP_S after another
+finished is ended all the same.
 
 Note [exit status]: 0 when every rank ended well; a rank's own status when it failed
 with one (2: bad arguments, 3: a FullShardError while training; the rank printed the
