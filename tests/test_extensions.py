@@ -12,6 +12,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.testing._internal.two_tensor import TwoTensor
 
 import fullshard
+from tests.world import World
 
 
 class HalfOnWire(TwoTensor):
@@ -124,12 +125,17 @@ def float8_job() -> dict:
             "losses": ours["losses"], "gather bytes": gather_bytes}
 
 
-def test_torchao_float8_training_gathers_float8_and_matches_fsdp2(world2):
+def test_torchao_float8_training_gathers_float8_and_matches_fsdp2():
     try:
         import torchao.float8  # noqa: F401
     except Exception as e:  # a torchao built for another torch fails in its own ways
         pytest.skip(f"torchao's float8 training does not import here ({type(e).__name__}: {e})"[:200])
-    got = world2.run(float8_job)
+    # a world of its own: in a process that has run a bf16 matmul, oneDNN without AVX-512 (a CPU
+    # without it, or ONEDNN_MAX_CPU_ISA=AVX2) cannot make torchao's float8 matmul ("could not
+    # create a primitive descriptor for the matmul primitive", torch 2.13: a bf16 nn.Linear, then
+    # a float8 one, in one process), and the pooled worlds run bf16 jobs
+    with World(2, forked=True) as fresh:
+        got = fresh.run(float8_job)
     assert all(g["same as FSDP2"] for g in got), got
     # a backward's gathers (both units in forward, the first again in backward): each weight as
     # float8 (1 byte, half of bf16's 2), each bias as fp32; rank 0 sends its half of each
