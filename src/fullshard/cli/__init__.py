@@ -8,7 +8,8 @@ runs/gpt: metrics.jsonl (a line per step), loss.png (loss curves and memory per 
 and checkpoint/ (resumed automatically when the same command runs again). Launched
 by torchrun it is one rank of the job; otherwise it starts the ranks itself.
 
-The command's parts: config (options and their checks), launcher (the ranks of a
+The command's parts: config (options and their checks), machine (the GPUs and free
+memory the checks weigh a run against), launcher (the ranks of a
 local run, the run directory's lock), trainer (one rank's run: the loop), corpus (the
 text and its batches), run_log (metrics.jsonl, loss.png, the summary).
 """
@@ -23,9 +24,9 @@ from pathlib import Path
 
 from fullshard.errors import EveryRankError, FullShardError
 from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch, launch_replicas
-from fullshard.cli.config import (TrainConfig, add_config_args, available_memory, cuda_gpus, fatal, gpt_dims,
-                                    memory_problem, parse_bytes, pipeline_problem, plan_problem, problem,
-                                    unused_problem, version)
+from fullshard.cli.config import (TrainConfig, add_config_args, fatal, gpt_dims, memory_problem, parse_bytes,
+                                    pipeline_problem, plan_problem, problem, unused_problem, version)
+from fullshard.cli.machine import available_memory, cuda_gpus
 from fullshard.cli.run_log import open_log
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")

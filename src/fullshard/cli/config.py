@@ -346,43 +346,6 @@ def memory_problem(cfg: TrainConfig, world: int, available: int, where: str) -> 
             f"with fewer ranks here")
 
 
-def cuda_gpus() -> int:
-    """The GPUs torch can use here. A build of torch for CPUs alone (torch.version.cuda and .hip
-    None) can use none; that is read from its version file, without importing torch (a
-    CPU-second at every launch, on machines where the ranks need every core)."""
-    import ast
-    import importlib.util
-    import os
-
-    spec = importlib.util.find_spec("torch")
-    try:
-        with open(os.path.join(spec.submodule_search_locations[0], "version.py")) as f:
-            version = f.read()
-        values = {node.target.id: ast.literal_eval(node.value) for node in ast.parse(version).body
-                  if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value}
-    except (AttributeError, TypeError, IndexError, OSError, SyntaxError, ValueError):
-        values = {}
-    if "cuda" in values and "hip" in values and values["cuda"] is None and values["hip"] is None:
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def available_memory() -> int:
-    """Bytes of host memory free for new processes (MemAvailable on Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def plan_problem(args: argparse.Namespace, budget: int | None) -> str | None:
     """What is wrong with `fullshard plan`'s arguments, in one line; None when nothing is."""
     from fullshard.gpt_config import PRESETS, GPTConfig, parameter_count
