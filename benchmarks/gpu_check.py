@@ -337,6 +337,19 @@ def repeatable(rank: int, world: int, device, kind: str) -> dict:
     return {"name": name, "precision": "repeat", "ok": flag.item() == 0, "detail": detail}
 
 
+def whole(value, device):
+    """A DTensor gathered whole from `device`'s memory: under CPU offload its rows are in host
+    memory, which NCCL cannot send (DTensor.full_tensor() would hand them to it). The copy goes
+    through fullshard's runtime seam, so that a stream model sees it (tests/test_gpu_check.py)."""
+    from torch.distributed.tensor import DTensor
+
+    from fullshard import runtime
+
+    local = runtime.active.to_device(value.to_local(), device)
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride()).full_tensor()
+
+
 def muon(rank: int, world: int, device, offload: bool) -> dict:
     """fullshard.optim.Muon (Note [matrix optimizers]: the rows to each matrix's owner and the
     update back, two NCCL all_to_alls; with CPU offload the rows go to the device and the
@@ -361,12 +374,12 @@ def muon(rank: int, world: int, device, offload: bool) -> dict:
             local = x.shape[0] // world
             model(x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]).backward()
             for p, q in pairs:
-                q.grad = p.grad.full_tensor().to(device)
+                q.grad = whole(p.grad, device)
             ours.step()
             theirs.step()
             ours.zero_grad()
             model.zero_grad()
-        diff = max((p.full_tensor().to(device) - q).abs().max().item() for p, q in pairs)
+        diff = max((whole(p.detach(), device) - q).abs().max().item() for p, q in pairs)
         # the owner orthogonalizes the same bits with the same kernels as one process: bitwise
         # on the CPU (tests/test_optim.py); a cuBLAS kernel chosen by another alignment may
         # round one bf16 step of the update differently (lr 2^-8 = 8e-5)

@@ -270,16 +270,13 @@ def build(strategy: str, precision: str, offload: bool, mode: str, n_layer: int 
     return model
 
 
-def train_modelled(model: GPT, model_rt, precision: str, offload: bool, mode: str, steps: int) -> list[int]:
+def train_modelled(model: GPT, model_rt, precision: str, mode: str, steps: int) -> list[int]:
     """Train `steps` steps (SGD) under `model_rt`, a fullshard.testing.stream_model.StreamModel;
     return the host syncs of each step. `mode`: "prefetch"/"no_prefetch" (one backward
     per step), "accumulate" (two), "no_sync" (two, the first under fullshard.no_sync)."""
     import fullshard
-    from fullshard.hooks import units_under
     from tests.reference import global_batches, local_slice
 
-    if offload:  # the shards live in host memory, as with a GPU
-        model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
     scaler = fullshard.GradScaler("cpu", init_scale=2.0**8) if precision == "fp16" else None
     micro = 1 if mode in ("prefetch", "no_prefetch") else 2

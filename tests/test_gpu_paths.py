@@ -36,7 +36,6 @@ def offload_nccl_job(strategy: str) -> list[str]:
     model_rt = StreamModel()
     with runtime.installed(model_rt), model_rt.tracking():
         model = build(strategy, "fp32", True, "prefetch", 2)
-        model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards])
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         rank, world = dist.get_rank(), dist.get_world_size()
         for k, batch in enumerate(global_batches(token_batch, 2, 8)):
@@ -304,7 +303,7 @@ def issue_order_job() -> list[tuple[str, str]]:
     model_rt = StreamModel()
     with runtime.installed(model_rt):
         model = build("hybrid_f2", "fp32", False, "prefetch", 2)
-        train_modelled(model, model_rt, "fp32", False, "prefetch", steps=1)
+        train_modelled(model, model_rt, "fp32", "prefetch", steps=1)
     return [(stream, "reduce-scatter" if "(reduce)" in site else "all-reduce")
             for stream, site in model_rt.issued if "routes.py" in site and ("(reduce)" in site or "(all_reduce)" in site)]
 

@@ -72,7 +72,7 @@ def checker(strategies: list[str], n_layer: int = 2, native: bool = True, precis
         model_rt = StreamModel(native=native)
         with runtime.installed(model_rt), model_rt.tracking():
             model = build(strategy, precision, offload, mode, n_layer)
-            syncs = train_modelled(model, model_rt, precision, offload, mode, steps=STEPS)
+            syncs = train_modelled(model, model_rt, precision, mode, steps=STEPS)
         out[f"{strategy} {precision} offload={offload} {mode}"] = {
             "violations": model_rt.violations, "syncs": syncs, "sites": dict(model_rt.sync_sites)}
     return out
@@ -83,7 +83,7 @@ def missing_wait(strategy: str, precision: str, skipped: tuple[str, str]) -> lis
     model_rt = StreamModel(skip_waits=(skipped,))
     with runtime.installed(model_rt), model_rt.tracking():
         model = build(strategy, precision, False, "prefetch")
-        train_modelled(model, model_rt, precision, False, "prefetch", steps=STEPS)
+        train_modelled(model, model_rt, precision, "prefetch", steps=STEPS)
     return model_rt.violations
 
 
@@ -133,8 +133,6 @@ def mixed_checker() -> dict[str, list[str]]:
                            mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype else None)
             fullshard.fully_shard(model.inner, **options)
             fullshard.fully_shard(model, **options)
-            if offload:
-                model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards])
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
             for step in range(2):
                 for micro in range(2):
@@ -315,8 +313,6 @@ def muon_step_job() -> dict:
         model_rt = StreamModel()
         with runtime.installed(model_rt), model_rt.tracking():
             model = build(strategy, "bf16", offload, "prefetch")
-            if offload:
-                model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards])
             matrices, rest = muon_groups(model)
             optimizer = Muon([{"params": matrices}, {"params": rest, "use_muon": False}], lr=0.02)
             rank, world = dist.get_rank(), dist.get_world_size()
@@ -421,9 +417,8 @@ def transformed_gathers_job() -> dict:
         model_rt = StreamModel()
         with runtime.installed(model_rt), model_rt.tracking(), undo(fix) if fix else contextlib.nullcontext():
             model = transformed_model(kind, offload)
-            if offload:  # every shard, an extension's own tensors (its a and b) too
-                model_rt.mark_host(*[shard for unit in units_under(model) for shard in unit.layout.shards],
-                                   *[t for p in model.parameters() for t in flat_tensors(p.to_local())])
+            if offload:  # an extension's own tensors (its a and b); the shards are host buffers already
+                model_rt.mark_host(*[t for p in model.parameters() for t in flat_tensors(p.to_local())])
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=False)
             rank, world = dist.get_rank(), dist.get_world_size()
             syncs = []

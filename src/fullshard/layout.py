@@ -61,9 +61,12 @@ class UnitLayout:
         segment, full segment)."""
         group = self.group
         meta = device.type == "meta"
-        shard_device = torch.device("cpu") if options.offload and not meta else device
-        pin = options.pin_memory and shard_device.type == "cpu" and device.type == "cuda"
-        self.shards = [torch.zeros(0 if ext else numel, dtype=dtype, device=shard_device, pin_memory=pin)
+        offloaded = options.offload and not meta
+        shard_device = torch.device("cpu") if offloaded else device
+        pin = options.pin_memory and device.type == "cuda"
+        # offloaded shards are the seam's host buffers, so a stream model knows them as host memory
+        self.shards = [runtime.active.host_buffer((0 if ext else numel,), dtype, pin=pin).zero_() if offloaded else
+                       torch.zeros(0 if ext else numel, dtype=dtype, device=device)
                        for numel, dtype, ext in zip(self.shard_numels, self.master_dtypes, self.extended)]
         # each [shard_numel]; an extension parameter's shard is a tensor of its own (Note [all-gather extensions])
         # Note [stable full params]: one storage for every full parameter of the unit;

@@ -134,10 +134,11 @@ class Tracking(TorchDispatchMode):
 
 def caller_site() -> str:
     """file:line of the innermost fullshard frame on the stack that is not the seam's (runtime.py,
-    routes.issued, which tells the model of a collective), else the innermost outside this file.
+    routes.issued, which tells the model of a collective), else the innermost of the code that
+    called into torch (a script's, a test's), else the innermost of torch's own.
     Asked at every operation: what each code object is, and each site's words, are made once."""
     frame = sys._getframe(1)
-    fallback = None
+    fallbacks = {}
     while frame is not None:
         code = frame.f_code
         kind = FRAME_KINDS.get(code)
@@ -145,14 +146,15 @@ def caller_site() -> str:
             kind = FRAME_KINDS[code] = frame_kind(code)
         if kind == SITE:
             return site_text(code, frame.f_lineno, True)
-        if kind == FALLBACK and fallback is None:
-            fallback = frame
+        if kind != PASSED:
+            fallbacks.setdefault(kind, frame)
         frame = frame.f_back
+    fallback = fallbacks.get(CALLER, fallbacks.get(TORCH))
     return site_text(fallback.f_code, fallback.f_lineno, False) if fallback is not None else "?"
 
 
-SITE, FALLBACK, PASSED = range(3)
-FRAME_KINDS: dict = {}  # code object -> SITE (fullshard's, not the seam's), FALLBACK or PASSED
+SITE, CALLER, TORCH, PASSED = range(4)
+FRAME_KINDS: dict = {}  # code object -> SITE (fullshard's, not the seam's), CALLER, TORCH or PASSED
 
 
 def frame_kind(code) -> int:
@@ -160,7 +162,9 @@ def frame_kind(code) -> int:
     seam = name.endswith(("runtime.py", "stream_model.py")) or code.co_name == "issued"
     if "/fullshard/" in name and not seam:
         return SITE
-    return PASSED if name.endswith(("stream_model.py", "_python_dispatch.py", "contextlib.py")) else FALLBACK
+    if name.endswith(("stream_model.py", "_python_dispatch.py", "contextlib.py")):
+        return PASSED
+    return TORCH if "/torch/" in name else CALLER
 
 
 @functools.lru_cache(maxsize=None)
