@@ -54,6 +54,49 @@ def test_cpu_offload_sends_only_device_memory(world2, strategy):
         assert not violations, "\n".join(violations[:8])
 
 
+def offloaded_calls_job(path: str) -> dict[str, list[str]]:
+    """Every public call that gathers or moves a CPU-offloaded model's values, with Muon's row
+    shards in its optimizer state: each one's violations (host memory handed to a collective)."""
+    from fullshard.optim import Muon, muon_groups
+
+    model_rt = StreamModel()
+    out = {}
+    with runtime.installed(model_rt), model_rt.tracking():
+        model = build("full_shard", "fp32", True, "prefetch")
+        matrices, rest = muon_groups(model)
+        optimizer = Muon([{"params": matrices}, {"params": rest, "use_muon": False}], lr=0.02)
+        batch = local_slice(global_batches(token_batch, 1, 8)[0], dist.get_rank(), dist.get_world_size())
+        model(*batch).backward()
+        optimizer.step()
+        full, sharded = fullshard.get_state_dict(model, optimizer), fullshard.get_state_dict(model, optimizer, full=False)
+
+        def evaluate():
+            with fullshard.full_params(model, writeback=False):
+                model(*batch)
+
+        calls = {"get_state_dict": lambda: fullshard.get_state_dict(model, optimizer),
+                 "get_state_dict(full=False)": lambda: fullshard.get_state_dict(model, optimizer, full=False),
+                 "set_state_dict": lambda: fullshard.set_state_dict(model, optimizer, model_sd=full[0],
+                                                                    optim_sd=full[1]),
+                 "set_state_dict(full=False)": lambda: fullshard.set_state_dict(
+                     model, optimizer, model_sd=sharded[0], optim_sd=sharded[1], full=False),
+                 "full_params": evaluate,
+                 "save": lambda: fullshard.save(path, model, optimizer),
+                 "load": lambda: fullshard.load(path, model, optimizer),
+                 "save(block=False)": lambda: fullshard.save(path, model, optimizer, block=False).result(),
+                 "export": lambda: fullshard.export(model, path + "-export")}
+        for name, call in calls.items():
+            before = len(model_rt.violations)
+            call()
+            out[name] = model_rt.violations[before:]
+    return out
+
+
+def test_every_call_on_an_offloaded_model_sends_only_device_memory(world2, tmp_path):
+    for got in world2.run(offloaded_calls_job, path=str(tmp_path / "ckpt")):
+        assert {name: v[:2] for name, v in got.items() if v} == {}
+
+
 # ---- defects 3 and 4: a model built on the CPU for GPUs ----------------------------------------
 
 

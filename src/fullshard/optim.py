@@ -711,8 +711,8 @@ def zeros_like_rows(m: Matrix, shape: torch.Size, dtype: torch.dtype) -> DTensor
     """A whole-matrix state of `shape`, zeros, kept as row shards of m's group: a DTensor as the
     parameter's shards are, so state dicts and checkpoints carry it."""
     group = m.group
-    local = torch.zeros((rows_of(shape, group.world)[group.rank], *shape[1:]), dtype=dtype,
-                        device=m.sharded.local_shard().device)
+    # made from the shard (host memory under CPU offload), so a stream model knows where it lives
+    local = m.sharded.local_shard().new_zeros((rows_of(shape, group.world)[group.rank], *shape[1:]), dtype=dtype)
     return DTensor.from_local(local, group.mesh, group.sharded_placements, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 

@@ -62,7 +62,7 @@ class Quantized(Plain):
 
     def inputs(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """This rank's shard (flat, on the device) as q and one float32 scale per block (Note [block codes])."""
-        values = torch.zeros(self.blocks * self.block, dtype=torch.float32, device=shard.device)
+        values = shard.new_zeros(self.blocks * self.block, dtype=torch.float32)
         values[: self.numel].copy_(shard.reshape(-1))  # the last block padded with zeros, which are not sent
         scales = encode_(values.view(self.blocks, self.block), self.codes, self.host)
         q = values.to(self.qdtype)  # float8: rounded to nearest by the cast

@@ -499,8 +499,7 @@ def owed_all_reduce(params: list[ShardedParam], group: ShardGroup, device: torch
     rt = runtime.active
     for p in params:  # every replica sends the same layout; a missing gradient is zero
         if p.sharded.grad is None:
-            accumulate(p, p.spec_for(p.sharded.dtype), torch.zeros(p.local_shape, dtype=p.sharded.dtype,
-                                                                    device=p.local_shard().device))
+            accumulate(p, p.spec_for(p.sharded.dtype), p.local_shard().new_zeros(p.local_shape, dtype=p.sharded.dtype))
     grads = [p.local_grad() for p in params]
     moved = [rt.to_device(g, device) for g in grads]
     group_pg = group.replicate_pg

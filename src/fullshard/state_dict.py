@@ -153,7 +153,7 @@ def full_state_value(value: DTensor, unit: Unit, param: ShardedParam, what: str)
     local = value.to_local()
     if param.replicated:
         return local
-    padded = torch.zeros(param.shard_numel, dtype=local.dtype, device=local.device)
+    padded = local.new_zeros(param.shard_numel)
     padded[: local.numel()].copy_(param.rows(local).reshape(-1))
     return param.whole(gather_state(unit, [param], [padded], local.dtype, what)[0])
 
@@ -455,7 +455,7 @@ def state_buffer(item: Any, param: nn.Parameter, sharded: ShardedParam | None) -
         return None
     dtype, size = item
     if sharded is not None and size == tuple(param.shape) and (size or sharded.replicated):
-        return sharded.as_dtensor(torch.empty(sharded.local_shape, dtype=dtype, device=sharded.local_shard().device))
+        return sharded.as_dtensor(sharded.local_shard().new_empty(sharded.local_shape, dtype=dtype))
     return torch.empty(size, dtype=dtype)
 
 

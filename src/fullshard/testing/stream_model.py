@@ -361,7 +361,10 @@ class StreamModel:
             if isinstance(t, torch.Tensor) and local_values(t).untyped_storage()._cdata not in known:
                 self._allocated_at(t, where)
         stream = self.stack[-1]
-        copy = func is torch.ops.aten.copy_.default  # between host and device memory: on the stream (a copy engine)
+        # a copy that touches device memory runs on the stream (a copy engine); one from host memory to host
+        # memory is the host's own memcpy, as any kernel on host memory is
+        copy = func is torch.ops.aten.copy_.default and not (self.buffer(args[0], where).host and
+                                                              self.buffer(args[1], where).host)
         self.access(stream, [t for t in read if t.numel()], "read", copy=copy, where=where)
         self.access(stream, [t for t in written if t.numel()], "write", copy=copy, where=where)
         blocking = copy and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
