@@ -64,6 +64,7 @@ RECEIVE_CAPACITY = SMALL_MESSAGE + HEADER_BYTES
 # no difference to the tests that make most of them (tests/test_hybrid.py, test_optim*.py,
 # test_diloco.py: 37.2 and 37.5 s against 37.5 and 38.0 s), so they block at once.
 SHORT_WAIT_S = 1e-3
+YIELD = getattr(os, "sched_yield", lambda: time.sleep(0))  # os.sched_yield is POSIX's
 # point-to-point: the bytes of a peer's rows that travel behind the header in the first of its two
 # messages, whose receive holds HEADER_BYTES + FIRST_BYTES, the longest first message (Note [named hangs])
 FIRST_BYTES = 64 * 1024
@@ -159,7 +160,7 @@ def poll_briefly(works: list) -> None:
     before the blocking wait."""
     end = time.perf_counter() + SHORT_WAIT_S
     while not all(work.is_completed() for work in works) and time.perf_counter() < end:
-        os.sched_yield()
+        YIELD()
 
 
 def wait_works(rt, works: list, flight: Flight, *, on_device: bool) -> None:
