@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -234,9 +235,20 @@ def test_every_fuzzed_value_ends_in_one_line_or_a_run_that_starts(monkeypatch, c
         assert status == "started" or status == 2 and out == "" and err.count("\n") == 1, (value, status, err)
 
 
-def test_version(capsys):
+def test_version(capsys, monkeypatch):
+    import importlib.metadata
+
+    from fullshard.cli.config import version
+
     assert exit_status(["--version"]) == 0
     assert capsys.readouterr().out.startswith("fullshard ")
+    # run from the source tree, not installed (docs/gpu.md's check): the version pyproject.toml names
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S* \(source tree\)", version()), version()
 
 
 def test_the_command_exits_with_mains_status_and_no_traceback():
