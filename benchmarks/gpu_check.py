@@ -338,16 +338,13 @@ def repeatable(rank: int, world: int, device, kind: str) -> dict:
 
 
 def whole(value, device):
-    """A DTensor gathered whole from `device`'s memory: under CPU offload its rows are in host
-    memory, which NCCL cannot send (DTensor.full_tensor() would hand them to it). The copy goes
-    through fullshard's runtime seam, so that a stream model sees it (tests/test_gpu_check.py)."""
-    from torch.distributed.tensor import DTensor
+    """A DTensor gathered whole from `device`'s memory, as fullshard's state dicts gather
+    optimizer state: under CPU offload its rows are in host memory, which NCCL cannot send
+    (DTensor.full_tensor() would hand them to it)."""
+    from fullshard.collectives import Caller
+    from fullshard.state_dict import full_value
 
-    from fullshard import runtime
-
-    local = runtime.active.to_device(value.to_local(), device)
-    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                              stride=value.stride()).full_tensor()
+    return full_value(value, device, Caller("the check's gather of a parameter or gradient"))
 
 
 def muon(rank: int, world: int, device, offload: bool) -> dict:

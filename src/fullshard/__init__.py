@@ -12,6 +12,8 @@ import importlib
 import importlib.util
 from typing import Any
 
+__version__ = "0.1.0"  # pyproject.toml's version is this (its [tool.setuptools.dynamic])
+
 HOME = {  # each public name -> the module that defines it
     "CPUOffloadPolicy": "fullshard.policy",
     "DiLoCo": "fullshard.diloco",

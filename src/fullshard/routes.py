@@ -56,13 +56,9 @@ RECEIVE_CAPACITY = SMALL_MESSAGE + HEADER_BYTES
 # yield of the core between polls, saves the last of them. On the tiny GPT of
 # benchmarks/host_time.py the forward waits were 0.17 ms in the median but 0.51 ms in the mean
 # (rare waits of milliseconds); fullshard's step overhead over DDP fell from 0.51-0.52 of
-# FSDP2's to 0.27-0.28 (docs/benchmarks.md, "Short waits"). Larger messages (point-to-point)
-# take longer than any poll worth its CPU: on the 15m GPT polling every wait for 0.5 ms cost 9%
-# more CPU-seconds per step and 8% more wall time, and polling the first message of each
-# point-to-point exchange (small, but sent only when a late peer gets there) 4% more. Polling
-# the host's other waits (all-gathers of integers, Muon's exchange, the norm's all-reduce) made
-# no difference to the tests that make most of them (tests/test_hybrid.py, test_optim*.py,
-# test_diloco.py: 37.2 and 37.5 s against 37.5 and 38.0 s), so they block at once.
+# FSDP2's to 0.27-0.28. Other waits block at once: larger messages (point-to-point, the first
+# of whose messages comes only when a late peer gets there) outlast any poll worth its CPU, and
+# polling the host's other waits gained nothing (docs/benchmarks.md, "Short waits").
 SHORT_WAIT_S = 1e-3
 YIELD = getattr(os, "sched_yield", lambda: time.sleep(0))  # os.sched_yield is POSIX's
 # point-to-point: the bytes of a peer's rows that travel behind the header in the first of its two

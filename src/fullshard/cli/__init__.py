@@ -22,10 +22,11 @@ import os
 import sys
 from pathlib import Path
 
+from fullshard import __version__
 from fullshard.errors import EveryRankError, FullShardError
 from fullshard.cli.launcher import LAUNCHER_PID, hold_run_dir, launch, launch_replicas
 from fullshard.cli.config import (TrainConfig, add_config_args, fatal, gpt_dims, memory_problem, parse_bytes,
-                                    pipeline_problem, plan_problem, problem, unused_problem, version)
+                                    pipeline_problem, plan_problem, problem, unused_problem)
 from fullshard.cli.machine import available_memory, cuda_gpus
 from fullshard.cli.run_log import open_log
 
@@ -112,7 +113,7 @@ def start_local_run(cfg: TrainConfig, argv: list[str]) -> int:
 def parser() -> Parser:
     """`fullshard train|plan|bench`, each with its options."""
     top = Parser(prog="fullshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("--version", action="version", version=f"fullshard {version()}")
+    top.add_argument("--version", action="version", version=f"fullshard {__version__}")
     commands = top.add_subparsers(dest="command", required=True)
     train_parser = commands.add_parser("train", help="train a GPT with fullshard (try --help)",
                                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

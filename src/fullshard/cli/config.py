@@ -399,19 +399,3 @@ def gpt_dims(options: TrainConfig | argparse.Namespace) -> dict[str, int]:
 
     given = {k: v for k in ("n_layer", "n_embd", "n_head") if (v := getattr(options, k)) is not None}
     return {**PRESETS[options.preset], **given}
-
-
-def version() -> str:
-    """fullshard's installed version, for --version and the banner; run from a source tree
-    (PYTHONPATH=src, as docs/gpu.md's check is), the version its pyproject.toml names."""
-    import re
-    from importlib.metadata import PackageNotFoundError, version
-    from pathlib import Path
-
-    try:
-        return version("fullshard")
-    except PackageNotFoundError:
-        project = Path(__file__).resolve().parents[3] / "pyproject.toml"  # src/fullshard/cli/config.py
-        text = project.read_text() if project.is_file() else ""
-        named = re.search(r'^\[project\]\nname = "fullshard"\nversion = "([^"\n]+)"$', text, re.MULTILINE)
-        return f"{named.group(1)} (source tree)" if named else "unknown"

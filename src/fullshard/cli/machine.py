@@ -20,7 +20,7 @@ def cuda_gpus() -> int:
                   if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value}
     except (AttributeError, TypeError, IndexError, OSError, SyntaxError, ValueError):
         values = {}
-    if "cuda" in values and "hip" in values and values["cuda"] is None and values["hip"] is None:
+    if values.get("cuda", "") is None and values.get("hip", "") is None:  # both named, both None
         return 0
     import torch
 

@@ -29,7 +29,7 @@ import fullshard
 from fullshard import runtime
 from fullshard.cli import pipeline
 from fullshard.cli.config import (TrainConfig, fatal, gpt_dims, nonfinite_policy, parse_bytes, pipeline_problem,
-                                    unused_problem, version)
+                                    unused_problem)
 from fullshard.cli.corpus import batch_offsets, batch_rows, corpus
 from fullshard.cli.launcher import LAUNCHER_PID, STORE_FILE, die_with_launcher, hold_run_dir
 from fullshard.cli.run_log import latest_rows, open_log, plot, read_rows, summary
@@ -182,7 +182,7 @@ def build(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tupl
               scaler=fullshard.GradScaler(device.type) if cfg.precision == "fp16" else None,
               train_data=torch.frombuffer(train_bytes, dtype=torch.uint8),
               val_data=torch.frombuffer(val_bytes, dtype=torch.uint8), pipe=pipe)
-    description = (f"fullshard {version()}: GPT {cfg.preset} {dims}, {n_params / 1e6:.2f}M parameters, "
+    description = (f"fullshard {fullshard.__version__}: GPT {cfg.preset} {dims}, {n_params / 1e6:.2f}M parameters, "
                    f"{world} ranks ({device.type}), {setting}; data: {source}, {len(train_bytes) / 1e6:.1f} MB "
                    f"train / {len(val_bytes) / 1e6:.1f} MB validation")
     return run, description

@@ -138,7 +138,7 @@ def caller_site() -> str:
     called into torch (a script's, a test's), else the innermost of torch's own.
     Asked at every operation: what each code object is, and each site's words, are made once."""
     frame = sys._getframe(1)
-    fallbacks = {}
+    caller = in_torch = None
     while frame is not None:
         code = frame.f_code
         kind = FRAME_KINDS.get(code)
@@ -146,10 +146,12 @@ def caller_site() -> str:
             kind = FRAME_KINDS[code] = frame_kind(code)
         if kind == SITE:
             return site_text(code, frame.f_lineno, True)
-        if kind != PASSED:
-            fallbacks.setdefault(kind, frame)
+        if kind == CALLER and caller is None:
+            caller = frame
+        elif kind == TORCH and in_torch is None:
+            in_torch = frame
         frame = frame.f_back
-    fallback = fallbacks.get(CALLER, fallbacks.get(TORCH))
+    fallback = caller or in_torch
     return site_text(fallback.f_code, fallback.f_lineno, False) if fallback is not None else "?"
 
 
@@ -363,8 +365,7 @@ class StreamModel:
         stream = self.stack[-1]
         # a copy that touches device memory runs on the stream (a copy engine); one from host memory to host
         # memory is the host's own memcpy, as any kernel on host memory is
-        copy = func is torch.ops.aten.copy_.default and not (self.buffer(args[0], where).host and
-                                                              self.buffer(args[1], where).host)
+        copy = func is torch.ops.aten.copy_.default and not (self.is_host(args[0]) and self.is_host(args[1]))
         self.access(stream, [t for t in read if t.numel()], "read", copy=copy, where=where)
         self.access(stream, [t for t in written if t.numel()], "write", copy=copy, where=where)
         blocking = copy and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
